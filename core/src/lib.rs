@@ -1,0 +1,17 @@
+//! pd-bridge core: the decoder's cache math and everything that carries its result.
+//!
+//! The data path, in module order: [`plan`] (what the decoder caches, from its config) →
+//! [`weights`] (the decoder's own projection weights and their fingerprint) → [`pooler`] (the
+//! per-layer cache state, fed chunk by chunk) → segments, wire and the oMLX block writer (later
+//! modules). [`numerics`] holds the MLX arithmetic they all share.
+
+pub mod error;
+pub mod numerics;
+pub mod plan;
+pub mod pooler;
+pub mod weights;
+
+pub use error::{CoreError, Result};
+pub use plan::ModelPlan;
+pub use pooler::{CacheBuilder, DecoderSteps, StateArray};
+pub use weights::DecoderWeights;

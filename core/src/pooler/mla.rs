@@ -1,0 +1,80 @@
+//! DeepSeek-V3-style MLA: per token the normalised latent and the rotated shared key, as
+//! mlx-lm's `DeepseekV3Attention` stores them in its `KVCache` (keys = latent, values = k_pe).
+
+use half::bf16;
+
+use super::StateArray;
+use crate::numerics::{linear, rms_norm_rows, round_bf16, Rope};
+use crate::plan::MlaPlan;
+use crate::weights::MlaLayerWeights;
+
+#[derive(Clone, Debug)]
+pub struct MlaLayerState {
+    hidden: usize,
+    rank: usize,
+    rope_dim: usize,
+    eps: f32,
+    rope: Rope,
+    /// YaRN magnitude applied to the rope features before rotation (1 means none).
+    mscale: Option<bf16>,
+    processed: usize,
+    latent: Vec<bf16>,
+    k_pe: Vec<bf16>,
+    scratch: Vec<bf16>,
+}
+
+impl MlaLayerState {
+    pub fn new(plan: &MlaPlan) -> Self {
+        let (rope, mscale) = match &plan.yarn {
+            Some(y) => {
+                let m = y.magnitude();
+                (Rope::mla_yarn(plan.rope_head_dim, plan.rope_theta, y), (m != 1.0).then(|| round_bf16(m as f32)))
+            }
+            None => (Rope::plain(plan.rope_head_dim, plan.rope_theta), None),
+        };
+        MlaLayerState {
+            hidden: plan.hidden_size,
+            rank: plan.kv_lora_rank,
+            rope_dim: plan.rope_head_dim,
+            eps: plan.latent_norm_eps,
+            rope,
+            mscale,
+            processed: 0,
+            latent: Vec::new(),
+            k_pe: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn processed(&self) -> usize {
+        self.processed
+    }
+
+    pub(super) fn feed(&mut self, w: &MlaLayerWeights, start: usize, n: usize, x: &[bf16]) {
+        let width = self.rank + self.rope_dim;
+        linear(x, n, self.hidden, &w.kv_a.w, width, &mut self.scratch);
+        let mut latent = Vec::with_capacity(n * self.rank);
+        let mut k_pe = Vec::with_capacity(n * self.rope_dim);
+        for row in self.scratch.chunks_exact(width) {
+            latent.extend_from_slice(&row[..self.rank]);
+            k_pe.extend_from_slice(&row[self.rank..]);
+        }
+        rms_norm_rows(&mut latent, self.rank, &w.kv_a_norm, self.eps);
+        if let Some(m) = self.mscale {
+            for v in k_pe.iter_mut() {
+                *v = round_bf16(v.to_f32() * m.to_f32());
+            }
+        }
+        self.rope.apply(&mut k_pe, self.rope_dim, start);
+        self.latent.extend_from_slice(&latent);
+        self.k_pe.extend_from_slice(&k_pe);
+        self.processed = start + n;
+    }
+
+    pub fn snapshot(&self) -> Vec<StateArray> {
+        vec![
+            StateArray { name: "latent", shape: vec![self.processed, self.rank], data: self.latent.clone() },
+            StateArray { name: "k_pe", shape: vec![self.processed, self.rope_dim], data: self.k_pe.clone() },
+        ]
+    }
+}

@@ -1,0 +1,135 @@
+//! The pooler: per-layer decoder cache state, fed one chunk of attention input at a time.
+//!
+//! After any sequence of chunks covering tokens `[0, T)` a layer's state holds exactly what the
+//! decoder's MLX caches hold after prefilling the same `T` tokens: for DeepSeek-V4 the rotating
+//! window, the compressor pools with their remainder rows, the indexer pool; for MLA the latent
+//! and the rotated key. How the input is chunked never changes the result.
+//!
+//! The one thing the result does depend on is where the *decoder* splits its own prefill into
+//! forward calls: oMLX's DeepSeek-V4 compressor (flyto-mlx/oMLX 0.7) starts the ratio-4 overlap
+//! afresh in every forward call (the first window of a call sees a zero previous window). That
+//! grid is [`DecoderSteps`], fixed per cache and independent of the input chunking.
+
+mod mla;
+mod v4;
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use crate::error::{CoreError, Result};
+use crate::weights::{DecoderWeights, LayerWeights};
+
+pub use mla::MlaLayerState;
+pub use v4::V4LayerState;
+
+/// Where the decoder starts each prefill forward call: at every multiple of `step` tokens
+/// (oMLX prefills block by block, so this is its cache block size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecoderSteps {
+    pub step: usize,
+}
+
+impl DecoderSteps {
+    pub fn new(step: usize) -> Result<Self> {
+        if step == 0 {
+            return Err(CoreError::config("decoder_step", "must be positive"));
+        }
+        Ok(DecoderSteps { step })
+    }
+
+    /// Index of the decoder forward call that processes token `t`.
+    pub fn call_of(&self, t: usize) -> usize {
+        t / self.step
+    }
+}
+
+/// One named array of a layer's cache state, row-major bf16.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateArray {
+    pub name: &'static str,
+    pub shape: Vec<usize>,
+    pub data: Vec<bf16>,
+}
+
+/// A layer's cache state, whichever model family it belongs to.
+#[derive(Clone, Debug)]
+pub enum LayerState {
+    V4(V4LayerState),
+    Mla(MlaLayerState),
+}
+
+impl LayerState {
+    fn processed(&self) -> usize {
+        match self {
+            LayerState::V4(s) => s.processed(),
+            LayerState::Mla(s) => s.processed(),
+        }
+    }
+
+    /// The state as named arrays: what the decoder's cache objects hold for this layer.
+    pub fn snapshot(&self) -> Vec<StateArray> {
+        match self {
+            LayerState::V4(s) => s.snapshot(),
+            LayerState::Mla(s) => s.snapshot(),
+        }
+    }
+}
+
+/// The decoder's cache for every layer of one request, built from attention inputs.
+pub struct CacheBuilder {
+    weights: Arc<DecoderWeights>,
+    layers: Vec<LayerState>,
+}
+
+impl CacheBuilder {
+    pub fn new(weights: Arc<DecoderWeights>, steps: DecoderSteps) -> Self {
+        let layers = weights
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, lw)| match (lw, &weights.plan) {
+                (LayerWeights::V4(_), crate::plan::ModelPlan::DeepseekV4(p)) => LayerState::V4(V4LayerState::new(p, i, steps)),
+                (LayerWeights::Mla(_), crate::plan::ModelPlan::Mla(p)) => LayerState::Mla(MlaLayerState::new(p)),
+                _ => unreachable!("weights are loaded per plan family"),
+            })
+            .collect();
+        CacheBuilder { weights, layers }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Tokens of `layer` already folded into its state.
+    pub fn processed(&self, layer: usize) -> Option<usize> {
+        self.layers.get(layer).map(LayerState::processed)
+    }
+
+    /// Fold `rows` tokens of `layer`'s attention input (`[rows, hidden]` bf16, row-major), the
+    /// first at absolute position `start`, into that layer's state. Chunks of a layer must be
+    /// contiguous: `start` equals the tokens already processed.
+    pub fn feed(&mut self, layer: usize, start: usize, x: &[bf16]) -> Result<()> {
+        let hidden = self.weights.plan.hidden_size();
+        let n = self.layers.len();
+        let state = self.layers.get_mut(layer).ok_or_else(|| CoreError::input(layer, format!("the model has {n} layers")))?;
+        if x.is_empty() || x.len() % hidden != 0 {
+            return Err(CoreError::input(layer, format!("{} values is not a positive whole number of rows of width {hidden}", x.len())));
+        }
+        let processed = state.processed();
+        if start != processed {
+            return Err(CoreError::input(layer, format!("chunk starts at token {start} but {processed} tokens are processed")));
+        }
+        let rows = x.len() / hidden;
+        match (state, &self.weights.layers[layer]) {
+            (LayerState::V4(s), LayerWeights::V4(w)) => s.feed(w, start, rows, x),
+            (LayerState::Mla(s), LayerWeights::Mla(w)) => s.feed(w, start, rows, x),
+            _ => unreachable!("states are built per plan family"),
+        }
+        Ok(())
+    }
+
+    pub fn layer(&self, layer: usize) -> Option<&LayerState> {
+        self.layers.get(layer)
+    }
+}

@@ -1,0 +1,245 @@
+//! DeepSeek-V4: the rotating window, the compressor pools and the indexer pool of one layer,
+//! following oMLX's MLX model (`omlx/patches/deepseek_v4`) operation by operation.
+
+use half::bf16;
+
+use super::{DecoderSteps, StateArray};
+use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
+use crate::plan::{V4LayerKind, V4Plan};
+use crate::weights::{CompressorWeights, V4LayerWeights};
+
+/// The sliding window: `kv_norm(wkv(x))` rotated at its absolute position, last `size` rows in
+/// temporal order (what oMLX stores for a `RotatingKVCache`).
+#[derive(Clone, Debug)]
+struct Window {
+    size: usize,
+    head_dim: usize,
+    eps: f32,
+    rope: Rope,
+    rows: Vec<bf16>,
+    scratch: Vec<bf16>,
+}
+
+impl Window {
+    fn feed(&mut self, w: &V4LayerWeights, start: usize, n: usize, x: &[bf16], hidden: usize) {
+        // Rows that fall out of the window before the chunk ends are never needed; the
+        // projection is row-independent, so skipping them changes nothing.
+        let skip = n.saturating_sub(self.size);
+        let keep = n - skip;
+        linear(&x[skip * hidden..], keep, hidden, &w.wkv.w, self.head_dim, &mut self.scratch);
+        rms_norm_rows(&mut self.scratch, self.head_dim, &w.kv_norm, self.eps);
+        self.rope.apply(&mut self.scratch, self.head_dim, start + skip);
+        self.rows.extend_from_slice(&self.scratch);
+        let have = self.rows.len() / self.head_dim;
+        if have > self.size {
+            self.rows.drain(..(have - self.size) * self.head_dim);
+        }
+    }
+}
+
+/// One compressor (the layer's pooled KV, or the indexer's): raw `kv`/`gate` rows wait in a
+/// remainder buffer until a window of `ratio` rows is complete, which is then pooled, normalised
+/// and rotated at the pool position of its first token.
+#[derive(Clone, Debug)]
+struct Compressor {
+    ratio: usize,
+    head_dim: usize,
+    out_dim: usize,
+    overlap: bool,
+    eps: f32,
+    rope: Rope,
+    steps: DecoderSteps,
+    /// Raw rows of the incomplete window, `[rem, out_dim]` each.
+    buf_kv: Vec<bf16>,
+    buf_gate: Vec<bf16>,
+    /// The last complete window (ratio 4 only): raw kv and gate, and the token it ended at.
+    prev: Option<(Vec<bf16>, Vec<bf16>, usize)>,
+    pooled: Vec<bf16>,
+    kv: Vec<bf16>,
+    gate: Vec<bf16>,
+}
+
+impl Compressor {
+    fn new(ratio: usize, head_dim: usize, eps: f32, rope: Rope, steps: DecoderSteps) -> Self {
+        let overlap = ratio == 4;
+        Compressor {
+            ratio,
+            head_dim,
+            out_dim: if overlap { 2 * head_dim } else { head_dim },
+            overlap,
+            eps,
+            rope,
+            steps,
+            buf_kv: Vec::new(),
+            buf_gate: Vec::new(),
+            prev: None,
+            pooled: Vec::new(),
+            kv: Vec::new(),
+            gate: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, w: &CompressorWeights, start: usize, n: usize, x: &[bf16], hidden: usize) {
+        let od = self.out_dim;
+        let mut kv = std::mem::take(&mut self.kv);
+        let mut gate = std::mem::take(&mut self.gate);
+        linear(x, n, hidden, &w.wkv.w, od, &mut kv);
+        linear(x, n, hidden, &w.wgate.w, od, &mut gate);
+        let mut pooled_new: Vec<bf16> = Vec::new();
+        let mut first_base = None;
+        for i in 0..n {
+            self.buf_kv.extend_from_slice(&kv[i * od..(i + 1) * od]);
+            self.buf_gate.extend_from_slice(&gate[i * od..(i + 1) * od]);
+            if self.buf_kv.len() == self.ratio * od {
+                let end = start + i + 1;
+                let base = end - self.ratio;
+                first_base.get_or_insert(base);
+                let wkv = std::mem::take(&mut self.buf_kv);
+                let wgate = std::mem::take(&mut self.buf_gate);
+                let row = if self.overlap { self.overlap_pool(w, &wkv, &wgate, base) } else { self.simple_pool(w, &wkv, &wgate) };
+                pooled_new.extend_from_slice(&row);
+                if self.overlap {
+                    self.prev = Some((wkv, wgate, end));
+                }
+            }
+        }
+        self.kv = kv;
+        self.gate = gate;
+        if let Some(base) = first_base {
+            rms_norm_rows(&mut pooled_new, self.head_dim, &w.norm, self.eps);
+            // Pool row i of this batch sits at position base/ratio + i, exactly as MLX rotates
+            // the batch with `offset = pool_base`.
+            self.rope.apply(&mut pooled_new, self.head_dim, base);
+            self.pooled.extend_from_slice(&pooled_new);
+        }
+    }
+
+    /// `_simple_compress_kv`: softmax over the window of `f32(gate) + ape`, weights rounded to
+    /// bf16, bf16 products summed in f32 in row order, rounded once.
+    fn simple_pool(&self, w: &CompressorWeights, kv: &[bf16], gate: &[bf16]) -> Vec<bf16> {
+        let (r, d) = (self.ratio, self.out_dim);
+        let mut vals = vec![0f32; r];
+        let mut wts = vec![0f32; r];
+        (0..d)
+            .map(|c| {
+                for k in 0..r {
+                    vals[k] = gate[k * d + c].to_f32() + w.ape[k * d + c];
+                }
+                softmax_row(&vals, &mut wts);
+                let mut acc = 0f32;
+                for k in 0..r {
+                    let wb = round_bf16(wts[k]).to_f32();
+                    acc += round_bf16(kv[k * d + c].to_f32() * wb).to_f32();
+                }
+                round_bf16(acc)
+            })
+            .collect()
+    }
+
+    /// `_overlap_compress_kv` for one window: the gate gets `bf16(ape)` added in bf16; lane A
+    /// (first half of the features) comes from the previous window of the same decoder call —
+    /// zeros with a -inf gate for the first window of a call — and lane B from this window; an
+    /// 8-row precise softmax, weights in bf16, bf16 products summed in f32, rounded once.
+    fn overlap_pool(&self, w: &CompressorWeights, kv: &[bf16], gate: &[bf16], base: usize) -> Vec<bf16> {
+        let (r, d, h) = (self.ratio, self.out_dim, self.head_dim);
+        let prev = self.prev.as_ref().filter(|(_, _, prev_end)| {
+            *prev_end == base && base > 0 && self.steps.call_of(base - 1) == self.steps.call_of(base + r - 1)
+        });
+        let gated = |g: &[bf16], k: usize, c: usize| round_bf16(g[k * d + c].to_f32() + round_bf16(w.ape[k * d + c]).to_f32());
+        let mut vals = vec![0f32; 2 * r];
+        let mut wts = vec![0f32; 2 * r];
+        (0..h)
+            .map(|c| {
+                for k in 0..r {
+                    vals[k] = match prev {
+                        Some((_, pg, _)) => gated(pg, k, c).to_f32(),
+                        None => f32::NEG_INFINITY,
+                    };
+                    vals[r + k] = gated(gate, k, h + c).to_f32();
+                }
+                softmax_row(&vals, &mut wts);
+                let mut acc = 0f32;
+                for k in 0..2 * r {
+                    let x = if k < r {
+                        prev.map_or(0.0, |(pk, _, _)| pk[k * d + c].to_f32())
+                    } else {
+                        kv[(k - r) * d + h + c].to_f32()
+                    };
+                    acc += round_bf16(x * round_bf16(wts[k]).to_f32()).to_f32();
+                }
+                round_bf16(acc)
+            })
+            .collect()
+    }
+
+    fn snapshot(&self, pooled: &'static str, buf_kv: &'static str, buf_gate: &'static str, out: &mut Vec<StateArray>) {
+        let rem = self.buf_kv.len() / self.out_dim;
+        out.push(StateArray { name: pooled, shape: vec![self.pooled.len() / self.head_dim, self.head_dim], data: self.pooled.clone() });
+        out.push(StateArray { name: buf_kv, shape: vec![rem, self.out_dim], data: self.buf_kv.clone() });
+        out.push(StateArray { name: buf_gate, shape: vec![rem, self.out_dim], data: self.buf_gate.clone() });
+    }
+}
+
+/// One DeepSeek-V4 layer's cache state.
+#[derive(Clone, Debug)]
+pub struct V4LayerState {
+    hidden: usize,
+    processed: usize,
+    window: Window,
+    compressor: Option<Compressor>,
+    indexer: Option<Compressor>,
+}
+
+impl V4LayerState {
+    pub fn new(plan: &V4Plan, layer: usize, steps: DecoderSteps) -> Self {
+        let ratio = plan.compress_ratios[layer];
+        let kind = plan.layer_kind(layer);
+        let yarn = plan.yarn.as_ref();
+        let window_rope = match kind {
+            V4LayerKind::Window => Rope::deepseek_v4(plan.rope_head_dim, plan.rope_theta, None, 1),
+            _ => Rope::deepseek_v4(plan.rope_head_dim, plan.compress_rope_theta, yarn, 1),
+        };
+        let pool_rope = || Rope::deepseek_v4(plan.rope_head_dim, plan.compress_rope_theta, yarn, ratio);
+        V4LayerState {
+            hidden: plan.hidden_size,
+            processed: 0,
+            window: Window {
+                size: plan.sliding_window,
+                head_dim: plan.head_dim,
+                eps: plan.rms_norm_eps,
+                rope: window_rope,
+                rows: Vec::new(),
+                scratch: Vec::new(),
+            },
+            compressor: (kind != V4LayerKind::Window).then(|| Compressor::new(ratio, plan.head_dim, plan.rms_norm_eps, pool_rope(), steps)),
+            indexer: (kind == V4LayerKind::Sparse).then(|| Compressor::new(ratio, plan.index_head_dim, plan.rms_norm_eps, pool_rope(), steps)),
+        }
+    }
+
+    pub fn processed(&self) -> usize {
+        self.processed
+    }
+
+    pub(super) fn feed(&mut self, w: &V4LayerWeights, start: usize, n: usize, x: &[bf16]) {
+        self.window.feed(w, start, n, x, self.hidden);
+        if let (Some(c), Some(cw)) = (self.compressor.as_mut(), w.compressor.as_ref()) {
+            c.feed(cw, start, n, x, self.hidden);
+        }
+        if let (Some(c), Some(cw)) = (self.indexer.as_mut(), w.indexer.as_ref()) {
+            c.feed(cw, start, n, x, self.hidden);
+        }
+        self.processed = start + n;
+    }
+
+    pub fn snapshot(&self) -> Vec<StateArray> {
+        let hd = self.window.head_dim;
+        let mut out = vec![StateArray { name: "window", shape: vec![self.window.rows.len() / hd, hd], data: self.window.rows.clone() }];
+        if let Some(c) = &self.compressor {
+            c.snapshot("pooled", "buf_kv", "buf_gate", &mut out);
+        }
+        if let Some(c) = &self.indexer {
+            c.snapshot("idx_pooled", "idx_buf_kv", "idx_buf_gate", &mut out);
+        }
+        out
+    }
+}

@@ -1,0 +1,118 @@
+//! `pd_bridge_omlx._native`: the decode side's native module. Python hands it plain data
+//! (paths, token positions, little-endian bf16 bytes); all cache math lives in the core.
+
+use std::sync::Arc;
+
+use half::bf16;
+use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights};
+use pyo3::exceptions::{PyException, PyOSError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+pyo3::create_exception!(pd_bridge_omlx._native, PdBridgeError, PyException, "Base class of every pd-bridge error.");
+pyo3::create_exception!(pd_bridge_omlx._native, ConfigError, PdBridgeError, "The decoder's config.json is missing or has an unsupported value.");
+pyo3::create_exception!(pd_bridge_omlx._native, WeightsError, PdBridgeError, "A decoder weight is missing, malformed or stored in an unsupported format.");
+pyo3::create_exception!(pd_bridge_omlx._native, InputError, PdBridgeError, "Attention input that does not fit the layer state.");
+
+fn to_py(e: CoreError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        CoreError::Config { .. } => ConfigError::new_err(msg),
+        CoreError::Weights { .. } | CoreError::WeightFile { .. } => WeightsError::new_err(msg),
+        CoreError::Input { .. } => InputError::new_err(msg),
+        CoreError::Io { .. } => PyOSError::new_err(msg),
+    }
+}
+
+fn bf16_from_le(data: &[u8]) -> PyResult<Vec<bf16>> {
+    if data.len() % 2 != 0 {
+        return Err(InputError::new_err(format!("{} bytes is not a whole number of bf16 values", data.len())));
+    }
+    Ok(data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect())
+}
+
+/// The decoder's attention-cache weights, read from an MLX model directory.
+#[pyclass(frozen, module = "pd_bridge_omlx._native")]
+struct Weights {
+    inner: Arc<DecoderWeights>,
+}
+
+#[pymethods]
+impl Weights {
+    #[staticmethod]
+    fn load(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Self> {
+        let w = py.detach(|| DecoderWeights::load(&model_dir)).map_err(to_py)?;
+        Ok(Weights { inner: Arc::new(w) })
+    }
+
+    /// `sha256:<hex>` over the plan and the tensors the cache math reads.
+    #[getter]
+    fn fingerprint(&self) -> String {
+        self.inner.fingerprint.clone()
+    }
+
+    #[getter]
+    fn family(&self) -> &'static str {
+        self.inner.plan.family()
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.plan.num_layers()
+    }
+
+    #[getter]
+    fn hidden_size(&self) -> usize {
+        self.inner.plan.hidden_size()
+    }
+}
+
+/// Per-layer decoder cache state for one request, fed chunks of attention input.
+#[pyclass(module = "pd_bridge_omlx._native")]
+struct CacheBuilder {
+    inner: CoreCacheBuilder,
+}
+
+#[pymethods]
+impl CacheBuilder {
+    /// `decoder_step`: the decoder's prefill step grid (oMLX's block size).
+    #[new]
+    fn new(weights: &Weights, decoder_step: usize) -> PyResult<Self> {
+        let steps = DecoderSteps::new(decoder_step).map_err(to_py)?;
+        Ok(CacheBuilder { inner: CoreCacheBuilder::new(weights.inner.clone(), steps) })
+    }
+
+    /// Fold `[rows, hidden]` attention input (little-endian bf16 bytes), first token at
+    /// absolute position `start`, into `layer`'s state.
+    fn feed(&mut self, py: Python<'_>, layer: usize, start: usize, data: &[u8]) -> PyResult<()> {
+        let x = bf16_from_le(data)?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.feed(layer, start, &x)).map_err(to_py)
+    }
+
+    fn processed(&self, layer: usize) -> PyResult<usize> {
+        self.inner.processed(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))
+    }
+
+    /// The layer's state as `[(name, shape, little-endian bf16 bytes)]`.
+    fn snapshot<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Vec<(String, Vec<usize>, Bound<'py, PyBytes>)>> {
+        let state = self.inner.layer(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))?;
+        Ok(state
+            .snapshot()
+            .into_iter()
+            .map(|a| {
+                let bytes: Vec<u8> = a.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (a.name.to_string(), a.shape, PyBytes::new(py, &bytes))
+            })
+            .collect())
+    }
+}
+
+#[pymodule(gil_used = false)]
+mod _native {
+    #[pymodule_export]
+    use super::{CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
+
+    #[pymodule_export]
+    const VERSION: &str = env!("CARGO_PKG_VERSION");
+}

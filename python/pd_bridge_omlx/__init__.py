@@ -1,0 +1,30 @@
+"""pd-bridge for oMLX: decode on the Mac what a vLLM host prefilled.
+
+Enabled by ``PD_BRIDGE_OMLX=1``. The native module does all cache math, checking and writing;
+this package only adapts oMLX's objects to plain data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ._native import (  # noqa: F401
+    VERSION,
+    CacheBuilder,
+    ConfigError,
+    InputError,
+    PdBridgeError,
+    Weights,
+    WeightsError,
+)
+
+__version__ = VERSION
+ENV_VAR = "PD_BRIDGE_OMLX"
+
+logger = logging.getLogger("pd_bridge_omlx")
+
+
+def enabled() -> bool:
+    """Whether the bridge is switched on for this process."""
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
