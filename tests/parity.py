@@ -53,6 +53,7 @@ class Tally:
     elements_identical: int = 0
     worst_ulp: int = 0
     mismatched: list[str] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
 
     def add(self, label: str, ours: np.ndarray, theirs: np.ndarray, shape_ours, shape_theirs) -> None:
         if tuple(shape_ours) != tuple(shape_theirs):
@@ -62,6 +63,7 @@ class Tally:
         if ours.size == 0:
             return  # both empty (no remainder rows): nothing to compare
         self.arrays += 1
+        self.names.add(label.split()[-1])
         same = ours == theirs
         self.elements += ours.size
         self.elements_identical += int(same.sum())

@@ -1,0 +1,120 @@
+//! Tiny random decoder model directories for the core's own tests.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use half::bf16;
+use safetensors::tensor::{Dtype, TensorView};
+
+/// xorshift64*: deterministic, dependency-free randomness for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Roughly normal (sum of uniforms).
+    pub fn normal(&mut self) -> f32 {
+        (0..4).map(|_| (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32).sum::<f32>() - 2.0
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+pub fn bf16_bytes(v: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    v.into_iter().flat_map(|x| bf16::from_f32(x).to_le_bytes()).collect()
+}
+
+pub fn random_rows(rng: &mut Rng, rows: usize, width: usize) -> Vec<bf16> {
+    (0..rows * width).map(|_| bf16::from_f32(rng.normal())).collect()
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pd-bridge-core-{tag}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub struct Tensors(pub BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>);
+
+impl Tensors {
+    pub fn write(&self, path: &Path) {
+        let views: Vec<(String, TensorView<'_>)> =
+            self.0.iter().map(|(k, (dt, shape, data))| (k.clone(), TensorView::new(*dt, shape.clone(), data).unwrap())).collect();
+        safetensors::tensor::serialize_to_file(views, None, path).unwrap();
+    }
+}
+
+pub const V4_HIDDEN: usize = 32;
+pub const V4_HEAD: usize = 16;
+pub const V4_INDEX_HEAD: usize = 16;
+
+/// A DeepSeek-V4 model directory with layers of ratio 0, 4 and 128 and a small window.
+pub fn v4_model_dir(seed: u64) -> PathBuf {
+    let dir = temp_dir("v4");
+    let cfg = format!(
+        r#"{{"model_type":"deepseek_v4","hidden_size":{V4_HIDDEN},"num_hidden_layers":3,"head_dim":{V4_HEAD},
+        "qk_rope_head_dim":8,"index_head_dim":{V4_INDEX_HEAD},"sliding_window":8,"compress_ratios":[0,4,128],
+        "rope_scaling":{{"type":"yarn","factor":16,"original_max_position_embeddings":65536,"beta_fast":32,"beta_slow":1}}}}"#
+    );
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut t = BTreeMap::new();
+    let lin = |t: &mut BTreeMap<_, _>, rng: &mut Rng, name: String, out: usize, inp: usize| {
+        let scale = (inp as f32).powf(-0.5);
+        t.insert(name, (Dtype::BF16, vec![out, inp], bf16_bytes((0..out * inp).map(|_| rng.normal() * scale))));
+    };
+    for (i, ratio) in [0usize, 4, 128].into_iter().enumerate() {
+        let p = format!("model.layers.{i}.attn");
+        lin(&mut t, &mut rng, format!("{p}.wkv.weight"), V4_HEAD, V4_HIDDEN);
+        t.insert(format!("{p}.kv_norm.weight"), (Dtype::BF16, vec![V4_HEAD], bf16_bytes((0..V4_HEAD).map(|_| 1.0 + 0.1 * rng.normal()))));
+        let comps: Vec<(String, usize)> = match ratio {
+            0 => vec![],
+            4 => vec![(format!("{p}.compressor"), V4_HEAD), (format!("{p}.indexer.compressor"), V4_INDEX_HEAD)],
+            _ => vec![(format!("{p}.compressor"), V4_HEAD)],
+        };
+        for (c, hd) in comps {
+            let od = if ratio == 4 { 2 * hd } else { hd };
+            lin(&mut t, &mut rng, format!("{c}.wkv.weight"), od, V4_HIDDEN);
+            lin(&mut t, &mut rng, format!("{c}.wgate.weight"), od, V4_HIDDEN);
+            let ape: Vec<u8> = (0..ratio * od).flat_map(|_| (0.5 * rng.normal()).to_le_bytes()).collect();
+            t.insert(format!("{c}.ape"), (Dtype::F32, vec![ratio, od], ape));
+            t.insert(format!("{c}.norm.weight"), (Dtype::BF16, vec![hd], bf16_bytes((0..hd).map(|_| 1.0 + 0.1 * rng.normal()))));
+        }
+    }
+    Tensors(t).write(&dir.join("model.safetensors"));
+    dir
+}
+
+pub const MLA_HIDDEN: usize = 32;
+
+pub fn mla_model_dir(seed: u64) -> PathBuf {
+    let dir = temp_dir("mla");
+    let cfg = format!(
+        r#"{{"model_type":"deepseek_v3","hidden_size":{MLA_HIDDEN},"num_hidden_layers":2,"kv_lora_rank":16,"qk_rope_head_dim":8,
+        "rope_scaling":{{"type":"yarn","factor":40,"original_max_position_embeddings":4096,"mscale":0.707,"mscale_all_dim":1.0}}}}"#
+    );
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut t = BTreeMap::new();
+    for i in 0..2 {
+        let p = format!("model.layers.{i}.self_attn");
+        t.insert(format!("{p}.kv_a_proj_with_mqa.weight"), (Dtype::BF16, vec![24, MLA_HIDDEN], bf16_bytes((0..24 * MLA_HIDDEN).map(|_| rng.normal() * 0.2))));
+        t.insert(format!("{p}.kv_a_layernorm.weight"), (Dtype::BF16, vec![16], bf16_bytes((0..16).map(|_| 1.0 + 0.1 * rng.normal()))));
+    }
+    Tensors(t).write(&dir.join("model.safetensors"));
+    dir
+}

@@ -1,0 +1,115 @@
+//! Malformed configs and weight files give a clear error, never a panic.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use pd_bridge_core::{CoreError, DecoderWeights};
+use proptest::prelude::*;
+use safetensors::tensor::Dtype;
+
+use common::*;
+
+fn load_err(dir: &std::path::Path) -> CoreError {
+    match DecoderWeights::load(dir) {
+        Err(e) => e,
+        Ok(_) => panic!("{} loaded", dir.display()),
+    }
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let dir = v4_model_dir(5);
+    let st = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let parsed = safetensors::SafeTensors::deserialize(&st).unwrap();
+    let mut t = BTreeMap::new();
+    for (name, view) in parsed.tensors() {
+        if name != "model.layers.1.attn.compressor.ape" {
+            t.insert(name, (view.dtype(), view.shape().to_vec(), view.data().to_vec()));
+        }
+    }
+    Tensors(t).write(&dir.join("model.safetensors"));
+    let e = load_err(&dir).to_string();
+    assert_eq!(e, "weight model.layers.1.attn.compressor.ape: missing from the model files");
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let dir = v4_model_dir(6);
+    let mut t = BTreeMap::new();
+    let st = std::fs::read(dir.join("model.safetensors")).unwrap();
+    for (name, view) in safetensors::SafeTensors::deserialize(&st).unwrap().tensors() {
+        let entry = if name == "model.layers.0.attn.kv_norm.weight" {
+            (Dtype::F16, view.shape().to_vec(), view.data().to_vec())
+        } else {
+            (view.dtype(), view.shape().to_vec(), view.data().to_vec())
+        };
+        t.insert(name, entry);
+    }
+    Tensors(t).write(&dir.join("model.safetensors"));
+    assert!(load_err(&dir).to_string().contains("model.layers.0.attn.kv_norm.weight: dtype F16"));
+}
+
+#[test]
+fn mxfp8_needs_its_quantization_block() {
+    let dir = v4_model_dir(7);
+    let st = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let mut t = BTreeMap::new();
+    for (name, view) in safetensors::SafeTensors::deserialize(&st).unwrap().tensors() {
+        t.insert(name, (view.dtype(), view.shape().to_vec(), view.data().to_vec()));
+    }
+    // An MXFP8 wkv: [16, 32/4] u32 words and [16, 1] e8m0 scales.
+    t.insert("model.layers.0.attn.wkv.weight".into(), (Dtype::U32, vec![V4_HEAD, V4_HIDDEN / 4], vec![0x38; V4_HEAD * V4_HIDDEN]));
+    t.insert("model.layers.0.attn.wkv.scales".into(), (Dtype::U8, vec![V4_HEAD, V4_HIDDEN / 32], vec![127; V4_HEAD]));
+    Tensors(t).write(&dir.join("model.safetensors"));
+    assert!(load_err(&dir).to_string().contains("no quantization block"));
+
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let with_q = cfg.replacen('{', r#"{"quantization":{"group_size":64,"bits":4,"model.layers.0.attn.wkv":{"group_size":32,"bits":8,"mode":"mxfp8"}},"#, 1);
+    std::fs::write(dir.join("config.json"), &with_q).unwrap();
+    let w = DecoderWeights::load(&dir).unwrap();
+    match &w.layers[0] {
+        pd_bridge_core::weights::LayerWeights::V4(l) => assert!(l.wkv.w.iter().all(|&v| v == 1.0), "0x38 at scale 2^0 is 1.0"),
+        _ => unreachable!(),
+    }
+    let affine = with_q.replace(r#""mode":"mxfp8""#, r#""mode":"affine""#);
+    std::fs::write(dir.join("config.json"), affine).unwrap();
+    assert!(load_err(&dir).to_string().contains("quantization mode affine"));
+}
+
+#[test]
+fn empty_directory() {
+    let dir = temp_dir("empty");
+    assert!(matches!(load_err(&dir), CoreError::Io { .. }));
+    std::fs::write(dir.join("config.json"), r#"{"model_type":"deepseek_v3","hidden_size":8,"num_hidden_layers":1,"kv_lora_rank":8,"qk_rope_head_dim":4}"#).unwrap();
+    assert!(load_err(&dir).to_string().contains("no .safetensors files"));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// Any truncation or byte corruption of the weight file is an error or a clean load —
+    /// never a panic.
+    #[test]
+    fn corrupted_weight_files_never_panic(cut in 0usize..4000, flips in prop::collection::vec((0usize..4000, any::<u8>()), 0..6)) {
+        let dir = v4_model_dir(8);
+        let path = dir.join("model.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        for (at, v) in flips {
+            let n = bytes.len();
+            bytes[at % n] = v;
+        }
+        bytes.truncate(bytes.len().saturating_sub(cut));
+        std::fs::write(&path, &bytes).unwrap();
+        let _ = DecoderWeights::load(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Arbitrary JSON never panics the config reader.
+    #[test]
+    fn arbitrary_config_never_panics(text in "\\PC{0,200}") {
+        let _ = pd_bridge_core::ModelPlan::from_config_json(&text);
+        let json = format!(r#"{{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":2,"compress_ratios":{text}}}"#);
+        let _ = pd_bridge_core::ModelPlan::from_config_json(&json);
+    }
+}

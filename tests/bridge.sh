@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# pd-bridge's two commands, with all set-up on a fresh Linux machine:
+#
+#   bash tests/bridge.sh main   set up, generate the tiny models, run the parity check, print it
+#   bash tests/bridge.sh test   set up and run every test (Rust and pytest against real MLX)
+#
+# Set-up is idempotent: venvs, wheels and models live under .pd-bridge/ (or $PD_BRIDGE_HOME)
+# and are rebuilt when what they are made from changes.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STATE=${PD_BRIDGE_HOME:-$ROOT/.pd-bridge}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$STATE"
+cd "$ROOT"
+
+log() { printf '\n== %s\n' "$*" >&2; }
+
+# The decode host's stack, pinned: the parity is bit-exact against exactly this MLX.
+DECODE_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "pytest" "maturin>=1.9.4,<2")
+# The prefill host's wheel needs nothing but itself to import.
+PREFILL_REQS=("pytest" "maturin>=1.9.4,<2")
+
+stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+make_venv() { # name, requirements...
+  local name=$1; shift
+  local venv=$STATE/venv-$name key
+  key=$(printf '%s\n' "$PYTHON" "$@" | sha256sum | cut -c1-16)
+  if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
+    log "creating the $name venv ($venv)"
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q "$@"
+    echo "$key" >"$venv/.pd-stamp"
+  fi
+}
+
+ensure_rust() {
+  if ! command -v cargo >/dev/null; then
+    echo "cargo not found: install a Rust toolchain (https://rustup.rs) and retry" >&2
+    exit 1
+  fi
+}
+
+build_wheel() { # crate dir, venv name
+  local crate=$1 venv=$STATE/venv-$2
+  log "building and installing the $crate wheel"
+  rm -rf "$STATE/wheels/$crate"
+  "$venv/bin/maturin" build --release --quiet -m "$crate/Cargo.toml" -o "$STATE/wheels/$crate" >&2
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+}
+
+make_models() {
+  local key
+  key=$(cat tests/tiny_models.py | sha256sum | cut -c1-16)
+  if ! stamp_ok "$STATE/models/.pd-stamp" "$key"; then
+    log "generating the tiny models"
+    rm -rf "$STATE/models"
+    "$STATE/venv-decode/bin/python" tests/tiny_models.py "$STATE/models" >&2
+    echo "$key" >"$STATE/models/.pd-stamp"
+  fi
+}
+
+setup() {
+  ensure_rust
+  make_venv decode "${DECODE_REQS[@]}"
+  make_venv prefill "${PREFILL_REQS[@]}"
+  build_wheel omlx_patch decode
+  build_wheel vllm_plugin prefill
+  make_models
+}
+
+run_pytest() { # venv name, test dir
+  local rc=0
+  PD_BRIDGE_MODELS=$STATE/models "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests in $2: that is a failure here" >&2
+    return 1
+  fi
+  return "$rc"
+}
+
+case "${1:-}" in
+  main)
+    setup
+    log "parity of the Rust cache math with MLX's own caches"
+    "$STATE/venv-decode/bin/python" tests/parity.py "$STATE/models"
+    ;;
+  test)
+    setup
+    log "Rust tests"
+    cargo test -p pd-bridge-core --release
+    log "decode-side tests (real MLX / oMLX)"
+    run_pytest decode tests/decode
+    log "prefill-side tests"
+    run_pytest prefill tests/prefill
+    ;;
+  *)
+    echo "usage: bash tests/bridge.sh main|test" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,55 @@
+"""The vLLM wheel: importable without torch or CUDA, entry point declared, inert when off."""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+
+def test_entry_point_is_declared():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "pd_bridge"]
+    assert ours and ours[0].value == "pd_bridge_vllm:register"
+
+
+def test_import_and_register_touch_no_torch_or_cuda():
+    code = (
+        "import sys, pd_bridge_vllm; pd_bridge_vllm.register(); "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'cudarc', 'pycuda', 'cupy')]; "
+        "print(pd_bridge_vllm.__version__, bad)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PD_BRIDGE_VLLM"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("[]"), out.stdout
+
+
+def test_register_without_env_var_does_nothing(monkeypatch, caplog):
+    import pd_bridge_vllm
+
+    monkeypatch.delenv("PD_BRIDGE_VLLM", raising=False)
+    pd_bridge_vllm.register()
+    assert not pd_bridge_vllm._registered
+    assert not caplog.records
+
+
+def test_register_with_env_var_is_idempotent_and_honest(monkeypatch, caplog):
+    import pd_bridge_vllm
+
+    monkeypatch.setenv("PD_BRIDGE_VLLM", "1")
+    monkeypatch.setattr(pd_bridge_vllm, "_registered", False)
+    pd_bridge_vllm.register()
+    pd_bridge_vllm.register()
+    warnings = [r for r in caplog.records if "no capture engine" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_fingerprint_error_is_typed(tmp_path):
+    import pd_bridge_vllm
+
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
+    try:
+        pd_bridge_vllm.weights_fingerprint(str(tmp_path))
+    except pd_bridge_vllm.ConfigError as e:
+        assert "hidden_size" in str(e) or "num_hidden_layers" in str(e)
+    else:
+        raise AssertionError("expected ConfigError")
