@@ -1,0 +1,127 @@
+//! The block file: a safetensors file laid out byte for byte as oMLX's own writer lays it out
+//! (`_write_safetensors_no_mx`): u64 LE header length, the header as compact JSON with tensors
+//! in insertion order and `__metadata__` last, space-padded to 8 bytes, then the tensor bytes.
+//!
+//! Files are written under a temporary name that does not end in `.safetensors` (oMLX's scan
+//! globs `*.safetensors`), flushed to disk, then renamed into place: a partial block is never
+//! visible under a block's name.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use super::pyjson::{Json, COMPACT};
+use crate::error::{CoreError, Result};
+
+/// One tensor of a block: its safetensors dtype string, shape and raw little-endian bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl Tensor {
+    /// The `(1,)` float32 zero oMLX stores for placeholders, `None` and zero-size states.
+    pub fn zero_f32(name: String) -> Tensor {
+        Tensor { name, dtype: "F32", shape: vec![1], data: vec![0; 4] }
+    }
+}
+
+/// The header bytes (length prefix included) for these tensors and metadata.
+pub fn header(tensors: &[Tensor], metadata: &[(String, String)]) -> Vec<u8> {
+    let mut entries = Vec::with_capacity(tensors.len() + 1);
+    let mut offset = 0usize;
+    for t in tensors {
+        let end = offset + t.data.len();
+        entries.push((
+            t.name.clone(),
+            Json::Obj(vec![
+                ("dtype".into(), Json::str(t.dtype)),
+                ("shape".into(), Json::List(t.shape.iter().map(|&d| Json::Int(d as i64)).collect())),
+                ("data_offsets".into(), Json::List(vec![Json::Int(offset as i64), Json::Int(end as i64)])),
+            ]),
+        ));
+        offset = end;
+    }
+    if !metadata.is_empty() {
+        entries.push(("__metadata__".into(), Json::Obj(metadata.iter().map(|(k, v)| (k.clone(), Json::str(v.clone()))).collect())));
+    }
+    let mut json = Json::Obj(entries).dumps(COMPACT).into_bytes();
+    json.resize(json.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + json.len());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    out
+}
+
+/// Write a block file atomically: temp file in the same directory, fsync, rename, fsync the
+/// directory. Returns the file size.
+pub fn write_atomic(path: &Path, tensors: &[Tensor], metadata: &[(String, String)]) -> Result<u64> {
+    let dir = path.parent().ok_or_else(|| CoreError::io(path, std::io::Error::other("block path has no directory")))?;
+    std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("block");
+    let tmp: PathBuf = dir.join(format!(".{stem}.{}.pd-tmp", std::process::id()));
+    let result = (|| -> std::io::Result<u64> {
+        let file = File::create(&tmp)?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        let head = header(tensors, metadata);
+        w.write_all(&head)?;
+        let mut size = head.len() as u64;
+        for t in tensors {
+            w.write_all(&t.data)?;
+            size += t.data.len() as u64;
+        }
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&tmp, path)?;
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(size)
+    })();
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        CoreError::io(path, e)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_layout_matches_omlx() {
+        let t = vec![
+            Tensor { name: "layer_0_state_0".into(), dtype: "BF16", shape: vec![1, 1, 2, 2], data: vec![0; 8] },
+            Tensor::zero_f32("layer_0_state_1".into()),
+        ];
+        let meta = vec![("block_hash".to_string(), "ab".to_string()), ("token_count".to_string(), "2".to_string())];
+        let h = header(&t, &meta);
+        let len = u64::from_le_bytes(h[..8].try_into().unwrap()) as usize;
+        assert_eq!(len % 8, 0);
+        assert_eq!(h.len(), 8 + len);
+        let text = std::str::from_utf8(&h[8..]).unwrap().trim_end();
+        assert_eq!(
+            text,
+            r#"{"layer_0_state_0":{"dtype":"BF16","shape":[1,1,2,2],"data_offsets":[0,8]},"layer_0_state_1":{"dtype":"F32","shape":[1],"data_offsets":[8,12]},"__metadata__":{"block_hash":"ab","token_count":"2"}}"#
+        );
+    }
+
+    #[test]
+    fn atomic_write_leaves_no_temp_file() {
+        let dir = std::env::temp_dir().join(format!("pd-bridge-file-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let p = dir.join("a").join("abc.safetensors");
+        let size = write_atomic(&p, &[Tensor::zero_f32("x".into())], &[("k".into(), "v".into())]).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), size);
+        let names: Vec<_> = std::fs::read_dir(p.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("abc.safetensors")]);
+        let bytes = std::fs::read(&p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.names(), vec!["x"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
