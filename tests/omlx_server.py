@@ -15,10 +15,12 @@ Only the standard library plus `tokenizers` (for training/encoding) is needed he
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -47,7 +49,8 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}"
     "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{% elif m['role'] == 'assistant' %}"
+    "<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
@@ -67,7 +70,7 @@ _WORDS = (
     "walked carried opened closed wrote read built found kept held turned moved waited spoke "
     "slowly quickly gently clearly often always sometimes again together almost nearly"
 ).split()
-_NAMES = "Alice Bruno Chen Dara Elif Farah Goran Hana Ivo Juno Kemal Lena Mira Noor Otto Pia".split()
+_NAMES = "Alice Bruno Chen Dara Elif Farah Goran Hana Ivo Juno Kemal Lena Mira Noor Pia".split()
 
 
 def english_text(n_words: int, seed: int = 0) -> str:
@@ -141,11 +144,14 @@ def add_tokenizer(model_dir: str | os.PathLike, seed: int = 0) -> Path:
         "model_max_length": 131072,
         "chat_template": CHAT_TEMPLATE,
     }
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
-    (model_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False))
-    gen = {"bos_token_id": 0, "eos_token_id": 1}
-    (model_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    generation = {"bos_token_id": 0, "eos_token_id": 1}
+    for name, obj in (
+        ("tokenizer_config.json", config),
+        ("special_tokens_map.json", specials),
+        ("generation_config.json", generation),
+    ):
+        (model_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
     return model_dir
 
 
@@ -160,15 +166,23 @@ def prepare_model(src: str | os.PathLike, model_root: str | os.PathLike, seed: i
     return add_tokenizer(dst, seed)
 
 
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str, mtime_ns: int):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
 def encode(model_dir: str | os.PathLike, text: str) -> list[int]:
     """The ids oMLX uses for a /v1/completions text prompt: the scheduler calls
     `tokenizer.encode(prompt)` (add_special_tokens=True), i.e. BOS + BPE ids here."""
-    from tokenizers import Tokenizer
+    path = Path(model_dir) / "tokenizer.json"
+    return _load_tokenizer(str(path), path.stat().st_mtime_ns).encode(text).ids
 
-    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids
 
-
-def prompt_of_tokens(model_dir: str | os.PathLike, n_tokens: int, seed: int = 1) -> tuple[str, list[int]]:
+def prompt_of_tokens(
+    model_dir: str | os.PathLike, n_tokens: int, seed: int = 1
+) -> tuple[str, list[int]]:
     """A text prompt that encodes (with BOS) to exactly `n_tokens` ids, and those ids.
     Cuts at a word boundary, then trims trailing characters to hit the count."""
     text = english_text(n_tokens, seed=seed)
@@ -236,7 +250,9 @@ def read_block_header(path: str | os.PathLike) -> dict:
         raw = f.read(n)
     header = json.loads(raw)  # dicts keep the file's key order
     tensors = [
-        (k, v["dtype"], v["shape"], v["data_offsets"]) for k, v in header.items() if k != "__metadata__"
+        (k, v["dtype"], v["shape"], v["data_offsets"])
+        for k, v in header.items()
+        if k != "__metadata__"
     ]
     return {
         "header_len": n,
@@ -256,7 +272,7 @@ class OmlxServer:
     base_url: str
     port: int
     model: str  # the API model id (the model's subdirectory name)
-    model_path: Path  # what oMLX hashes as model_name (absolute, resolved)
+    model_path: Path  # oMLX's model_name (hashed into every block key): resolved root / id
     cache_dir: Path
     home: Path
     log_path: Path  # the subprocess's stdout+stderr
@@ -290,7 +306,8 @@ def _request(url: str, body: dict | None = None, timeout: float = 600.0) -> dict
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+        detail = e.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"{url}: HTTP {e.code}: {detail}") from None
 
 
 def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
@@ -309,7 +326,9 @@ def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        # The server runs in its own session (pgid == its pid): kill that group only.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
 
 
@@ -369,10 +388,10 @@ def serve(
         *extra_args,
     ]  # fmt: skip
     log_path = home / f"omlx-serve-{port}.log"
-    log = open(log_path, "wb")
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(home),
-                            start_new_session=True)  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(home), start_new_session=True)  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = t0 + timeout
@@ -392,15 +411,15 @@ def serve(
             except (OSError, RuntimeError):
                 time.sleep(0.5)
         # Load the model now, so the first request's timing is prefill only.
-        _request(f"{base_url}/admin/api/models/{model}/load", {}, timeout=max(1.0, deadline - time.monotonic()))
+        remaining = max(1.0, deadline - time.monotonic())
+        _request(f"{base_url}/admin/api/models/{model}/load", {}, timeout=remaining)
         yield OmlxServer(
             base_url=base_url, port=port, model=model,
-            model_path=(model_root / model).resolve(), cache_dir=cache_dir, home=home,
+            model_path=model_root / model, cache_dir=cache_dir, home=home,
             log_path=log_path, process=proc, startup_s=time.monotonic() - t0,
         )  # fmt: skip
     finally:
         _stop(proc)
-        log.close()
 
 
 def complete(
@@ -418,8 +437,27 @@ def complete(
     rejected with HTTP 422, so ids are refused here rather than sent."""
     if not isinstance(prompt, str):
         raise TypeError("oMLX /v1/completions accepts text prompts only (token ids give HTTP 422)")
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **params}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body.update(params)
     return _request(f"{base_url}/v1/completions", body, timeout=timeout)
+
+
+def logged_block_size(server: OmlxServer) -> int | None:
+    """The block size the scheduler chose for the loaded model (512 for DeepSeek-V4's
+    128-row window, 256 for plain-KVCache models), from its startup log line."""
+    found = re.findall(r"paged SSD cache enabled: .*block_size=(\d+) tokens", _log_text(server))
+    return int(found[-1]) if found else None
+
+
+def logged_prefill_chunks(server: OmlxServer) -> list[tuple[str, int, int]]:
+    """(request id, chunk tokens, tokens processed so far) per prefill forward, from the
+    scheduler's `[memcheck:external]` lines (logged while the memory guard is active)."""
+    pattern = r"\[memcheck:external\] rid=(\S+) n=(\d+) processed=(\d+)"
+    return [(rid, int(n), int(done)) for rid, n, done in re.findall(pattern, _log_text(server))]
+
+
+def _log_text(server: OmlxServer) -> str:
+    return server.log_path.read_text(errors="replace")
 
 
 def wait_for_blocks(cache_dir: str | os.PathLike, count: int, timeout: float = 60.0) -> list[Path]:
