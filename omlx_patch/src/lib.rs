@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use half::bf16;
+use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
 use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights};
 use pyo3::exceptions::{PyException, PyOSError};
 use pyo3::prelude::*;
@@ -108,10 +109,43 @@ impl CacheBuilder {
     }
 }
 
+/// Writes one request's full blocks into an oMLX cache directory, named by oMLX's chain hash.
+#[pyclass(frozen, module = "pd_bridge_omlx._native")]
+struct BlockWriter {
+    inner: CoreBlockWriter,
+}
+
+#[pymethods]
+impl BlockWriter {
+    /// `model_name`: the model string oMLX hashes with (the model directory path it loaded);
+    /// `token_ids`: the request's ids as oMLX tokenized them.
+    #[new]
+    fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>) -> PyResult<Self> {
+        CoreBlockWriter::new(cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py)
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    fn hash_hex(&self, index: usize) -> PyResult<String> {
+        self.inner.hash(index).map(|h| h.hex()).ok_or_else(|| InputError::new_err(format!("no block {index}")))
+    }
+
+    /// Write block `index` from `builder`, whose layers must have processed exactly the block's
+    /// end. Returns `(path, bytes, existed)`.
+    fn write(&self, py: Python<'_>, builder: PyRef<'_, CacheBuilder>, index: usize) -> PyResult<(std::path::PathBuf, u64, bool)> {
+        let layers = builder.inner.layers();
+        let w = py.detach(|| self.inner.write(index, layers)).map_err(to_py)?;
+        Ok((w.path, w.bytes, w.existed))
+    }
+}
+
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
+    use super::{BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");

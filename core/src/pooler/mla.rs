@@ -71,6 +71,13 @@ impl MlaLayerState {
         self.processed = start + n;
     }
 
+    /// Latent and rotated-key rows of tokens `[start, end)` (clamped to what is processed).
+    pub fn rows(&self, start: usize, end: usize) -> (Vec<bf16>, Vec<bf16>) {
+        let end = end.min(self.processed);
+        let start = start.min(end);
+        (self.latent[start * self.rank..end * self.rank].to_vec(), self.k_pe[start * self.rope_dim..end * self.rope_dim].to_vec())
+    }
+
     pub fn snapshot(&self) -> Vec<StateArray> {
         vec![
             StateArray { name: "latent", shape: vec![self.processed, self.rank], data: self.latent.clone() },

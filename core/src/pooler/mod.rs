@@ -132,4 +132,8 @@ impl CacheBuilder {
     pub fn layer(&self, layer: usize) -> Option<&LayerState> {
         self.layers.get(layer)
     }
+
+    pub fn layers(&self) -> &[LayerState] {
+        &self.layers
+    }
 }

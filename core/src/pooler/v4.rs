@@ -8,11 +8,17 @@ use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
 use crate::weights::{CompressorWeights, V4LayerWeights};
 
-/// The sliding window: `kv_norm(wkv(x))` rotated at its absolute position, last `size` rows in
-/// temporal order (what oMLX stores for a `RotatingKVCache`).
+/// The sliding window: `kv_norm(wkv(x))` rotated at its absolute position, in temporal order.
+///
+/// MLX's `RotatingKVCache`, updated by a decoder call of `L` tokens, keeps the previous
+/// `size - 1` rows plus all `L` new ones; oMLX stores that raw buffer for windows inside a
+/// `CacheList`. So the window retains up to `size - 1 + step` rows: enough to rebuild the raw
+/// buffer at any point of the decoder's step grid, and the last `size` rows for everything else.
 #[derive(Clone, Debug)]
 struct Window {
     size: usize,
+    retain: usize,
+    steps: DecoderSteps,
     head_dim: usize,
     eps: f32,
     rope: Rope,
@@ -24,16 +30,32 @@ impl Window {
     fn feed(&mut self, w: &V4LayerWeights, start: usize, n: usize, x: &[bf16], hidden: usize) {
         // Rows that fall out of the window before the chunk ends are never needed; the
         // projection is row-independent, so skipping them changes nothing.
-        let skip = n.saturating_sub(self.size);
+        let skip = n.saturating_sub(self.retain);
         let keep = n - skip;
         linear(&x[skip * hidden..], keep, hidden, &w.wkv.w, self.head_dim, &mut self.scratch);
         rms_norm_rows(&mut self.scratch, self.head_dim, &w.kv_norm, self.eps);
         self.rope.apply(&mut self.scratch, self.head_dim, start + skip);
         self.rows.extend_from_slice(&self.scratch);
         let have = self.rows.len() / self.head_dim;
-        if have > self.size {
-            self.rows.drain(..(have - self.size) * self.head_dim);
+        if have > self.retain {
+            self.rows.drain(..(have - self.retain) * self.head_dim);
         }
+    }
+
+    /// The last `n` rows.
+    fn tail(&self, n: usize) -> Vec<bf16> {
+        let have = self.rows.len() / self.head_dim;
+        self.rows[(have - n.min(have)) * self.head_dim..].to_vec()
+    }
+
+    /// Rows MLX's rotating buffer holds after `processed` tokens on the decoder's grid: all rows
+    /// of the current decoder call plus up to `size - 1` before it.
+    fn raw_rows(&self, processed: usize) -> usize {
+        if processed == 0 {
+            return 0;
+        }
+        let call_start = self.steps.call_of(processed - 1) * self.steps.step;
+        processed.min(self.size - 1 + (processed - call_start))
     }
 }
 
@@ -205,6 +227,8 @@ impl V4LayerState {
             processed: 0,
             window: Window {
                 size: plan.sliding_window,
+                retain: plan.sliding_window - 1 + steps.step,
+                steps,
                 head_dim: plan.head_dim,
                 eps: plan.rms_norm_eps,
                 rope: window_rope,
@@ -231,9 +255,32 @@ impl V4LayerState {
         self.processed = start + n;
     }
 
+    /// Whether the window sits inside a `CacheList` (compressed layers) or alone (ratio 0).
+    pub fn is_cache_list(&self) -> bool {
+        self.compressor.is_some()
+    }
+
+    /// The window as MLX's rotating buffer holds it (see [`Window`]), `[rows, head_dim]`.
+    pub fn raw_window(&self) -> StateArray {
+        let hd = self.window.head_dim;
+        let rows = self.window.raw_rows(self.processed);
+        StateArray { name: "window", shape: vec![rows, hd], data: self.window.tail(rows) }
+    }
+
+    /// The compress ratio (0 for a window-only layer).
+    pub fn ratio(&self) -> usize {
+        self.compressor.as_ref().map_or(0, |c| c.ratio)
+    }
+
+    pub fn sliding_window(&self) -> usize {
+        self.window.size
+    }
+
+    /// The last `sliding_window` rows of the window, then the pools: the cache's content.
     pub fn snapshot(&self) -> Vec<StateArray> {
         let hd = self.window.head_dim;
-        let mut out = vec![StateArray { name: "window", shape: vec![self.window.rows.len() / hd, hd], data: self.window.rows.clone() }];
+        let rows = self.processed.min(self.window.size);
+        let mut out = vec![StateArray { name: "window", shape: vec![rows, hd], data: self.window.tail(rows) }];
         if let Some(c) = &self.compressor {
             c.snapshot("pooled", "buf_kv", "buf_gate", &mut out);
         }

@@ -11,6 +11,7 @@ import os
 
 from ._native import (  # noqa: F401
     VERSION,
+    BlockWriter,
     CacheBuilder,
     ConfigError,
     InputError,

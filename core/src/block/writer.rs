@@ -1,0 +1,73 @@
+//! The block writer: one request's full blocks, written into an oMLX cache directory as the
+//! pooler reaches each block boundary. Memory is one block at a time, whatever the prompt length.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::chain::{chain, ChainHash};
+use super::file::write_atomic;
+use super::layout::block_contents;
+use crate::error::{CoreError, Result};
+use crate::pooler::LayerState;
+
+/// Where oMLX keeps a block: `<cache_dir>/<hex[0]>/<hex>.safetensors`.
+pub fn block_path(cache_dir: &Path, hash: &ChainHash) -> PathBuf {
+    let hex = hash.hex();
+    cache_dir.join(&hex[..1]).join(format!("{hex}.safetensors"))
+}
+
+/// What writing one block did.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// The block already existed and was left as it was (blocks are immutable once named).
+    pub existed: bool,
+}
+
+pub struct BlockWriter {
+    cache_dir: PathBuf,
+    model_name: String,
+    block_size: usize,
+    chain: Vec<ChainHash>,
+}
+
+impl BlockWriter {
+    /// `tokens`: the request's token ids as oMLX tokenized them; `model_name`: oMLX's model
+    /// string (the model directory path it loaded); `block_size`: oMLX's block size.
+    pub fn new(cache_dir: impl Into<PathBuf>, model_name: impl Into<String>, block_size: usize, tokens: &[u32]) -> Result<Self> {
+        if block_size == 0 {
+            return Err(CoreError::config("block_size", "must be positive"));
+        }
+        let model_name = model_name.into();
+        let chain = chain(&model_name, tokens, block_size);
+        Ok(BlockWriter { cache_dir: cache_dir.into(), model_name, block_size, chain })
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.chain.len()
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn hash(&self, index: usize) -> Option<&ChainHash> {
+        self.chain.get(index)
+    }
+
+    /// Write block `index` from layer states that have processed exactly its end boundary.
+    pub fn write(&self, index: usize, layers: &[LayerState]) -> Result<Written> {
+        let hash = self.chain.get(index).ok_or_else(|| CoreError::input(0, format!("block {index} is not a full block of this prompt ({} blocks)", self.chain.len())))?;
+        let path = block_path(&self.cache_dir, hash);
+        if let Ok(m) = std::fs::metadata(&path) {
+            return Ok(Written { path, bytes: m.len(), existed: true });
+        }
+        let (start, end) = (index * self.block_size, (index + 1) * self.block_size);
+        let created_at = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let contents = block_contents(&self.model_name, hash, layers, start, end, created_at)?;
+        let bytes = write_atomic(&path, &contents.tensors, &contents.metadata)?;
+        tracing::debug!(block = index, hash = %hash.hex(), bytes, "block written");
+        Ok(Written { path, bytes, existed: false })
+    }
+}
