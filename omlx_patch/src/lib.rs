@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use half::bf16;
+use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
 use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights};
 use pyo3::exceptions::{PyException, PyOSError};
@@ -14,6 +15,7 @@ pyo3::create_exception!(pd_bridge_omlx._native, PdBridgeError, PyException, "Bas
 pyo3::create_exception!(pd_bridge_omlx._native, ConfigError, PdBridgeError, "The decoder's config.json is missing or has an unsupported value.");
 pyo3::create_exception!(pd_bridge_omlx._native, WeightsError, PdBridgeError, "A decoder weight is missing, malformed or stored in an unsupported format.");
 pyo3::create_exception!(pd_bridge_omlx._native, InputError, PdBridgeError, "Attention input that does not fit the layer state.");
+pyo3::create_exception!(pd_bridge_omlx._native, BlockRejected, PdBridgeError, "A block file that must not be served; the message says why.");
 
 fn to_py(e: CoreError) -> PyErr {
     let msg = e.to_string();
@@ -142,10 +144,26 @@ impl BlockWriter {
     }
 }
 
+/// Validate a block file before oMLX may index it. Returns `(hash_hex, token_count,
+/// num_layers, model_name, file_size)`; raises `BlockRejected` with the reason otherwise.
+#[pyfunction]
+#[pyo3(signature = (path, model_name=None, num_layers=None, block_size=None))]
+fn inspect_block(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    model_name: Option<String>,
+    num_layers: Option<usize>,
+    block_size: Option<usize>,
+) -> PyResult<(String, usize, usize, String, u64)> {
+    let expect = Expect { model_name, num_layers, block_size };
+    let info = py.detach(|| inspect(&path, &expect)).map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
+    Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
+}
+
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
+    use super::{inspect_block, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -32,9 +32,7 @@ class NativeRun:
     warm_cached: int
 
 
-@pytest.fixture(scope="module", params=["tiny-v4-bf16", "tiny-mla"])
-def native(request, models, tmp_path_factory) -> NativeRun:
-    name = request.param
+def native_run(name: str, models: Path, tmp_path_factory) -> NativeRun:
     tmp = tmp_path_factory.mktemp(name)
     root = tmp / "models"
     omlx_server.prepare_model(models / name, root)
@@ -52,6 +50,24 @@ def native(request, models, tmp_path_factory) -> NativeRun:
         name, root, model_name, ids, text, block_size, n_blocks, cache,
         cold["choices"][0]["text"], warm["usage"]["prompt_tokens_details"]["cached_tokens"],
     )
+
+
+@pytest.fixture(scope="module")
+def native_v4(models, tmp_path_factory) -> NativeRun:
+    return native_run("tiny-v4-bf16", models, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def native_mla(models, tmp_path_factory) -> NativeRun:
+    return native_run("tiny-mla", models, tmp_path_factory)
+
+
+@pytest.fixture(params=["v4", "mla"])
+def native(request) -> NativeRun:
+    return request.getfixturevalue(f"native_{request.param}")
+
+
+BRIDGE_ENV = {"PD_BRIDGE_OMLX": "1"}
 
 
 def test_native_oracle_is_sane(native):
@@ -72,3 +88,58 @@ def test_rust_blocks_are_identical_to_omlx_blocks(native, tmp_path):
     assert diff.compared == native.n_blocks >= 2
     assert diff.identical == diff.compared, diff.problems[:10]
     assert not list(tmp_path.rglob("*tmp*")), "no temporary file may be left behind"
+
+
+def rescan(server) -> dict:
+    return omlx_server._request(f"{server.base_url}/pd-bridge/v1/rescan", {"model": server.model})
+
+
+def test_written_blocks_are_served_as_a_hit(native, tmp_path):
+    """A fresh oMLX with an empty cache; the Rust writer writes the prompt's blocks, the adapter
+    registers them, and the request reports them cached and answers exactly as natively."""
+    cache = tmp_path / "cache"
+    with omlx_server.serve(native.root, cache, tmp_path / "home", model=native.name, extra_env=BRIDGE_ENV) as s:
+        ours = bridge_blocks.write_blocks(native.root / native.name, str(s.model_path), native.ids, native.block_size, native.n_blocks, cache)
+        result = rescan(s)
+        assert sorted(result["registered"]) == sorted(ours.hashes) and not result["rejected"], result
+        r = omlx_server.complete(s.base_url, s.model, native.text, 8)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == native.n_blocks * native.block_size
+    assert r["choices"][0]["text"] == native.answer
+
+
+def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
+    """Truncated, random, foreign-model, wrong-hash, stale-format and temp files in the cache
+    directory: oMLX answers natively and correctly, and the log names each rejected file."""
+    nat = native_v4
+    cache = tmp_path / "cache"
+    hashes = omlx_server.block_hashes(nat.model_name, nat.ids, nat.block_size)[: nat.n_blocks]
+    good = omlx_server.block_path(nat.native_dir, hashes[0]).read_bytes()
+
+    def put(hash_hex: str, data: bytes, name: str | None = None) -> Path:
+        p = cache / hash_hex[0] / (name or f"{hash_hex}.safetensors")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        return p
+
+    stale = bytearray(good)
+    stale[stale.find(b'"omlx_cache_format_version":"3"') + 29] = ord("1")
+    bad = {
+        "truncated": put(hashes[0], good[: len(good) // 2]),
+        "random bytes": put(hashes[1], bytes((i * 7919) % 251 for i in range(4096))),
+        "stale format": put("ab" * 32, bytes(stale).replace(hashes[0].encode(), ("ab" * 32).encode())),
+        "hash not its name": put("cd" * 32, good),
+        "temp leftover": put(hashes[0], good[:100], name=f"{hashes[0]}_tmp.safetensors"),
+    }
+    foreign = omlx_server.block_files(native_mla.native_dir)[0]
+    with omlx_server.serve(nat.root, cache, tmp_path / "home", model=nat.name, extra_env=BRIDGE_ENV) as s:
+        # Dropped in while running, then offered to the rescan: another model's valid block.
+        bad["another model"] = put(foreign.stem, foreign.read_bytes())
+        result = rescan(s)
+        r = omlx_server.complete(s.base_url, s.model, nat.text, 8)
+        log = s.log_path.read_text(errors="replace")
+    assert not result["registered"], result
+    assert any("belongs to model" in why for _, why in result["rejected"]), result
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert r["choices"][0]["text"] == nat.answer
+    missing = [k for k, p in bad.items() if p.name not in log]
+    assert not missing, f"log does not name the rejected {missing}"

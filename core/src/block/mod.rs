@@ -5,6 +5,7 @@ pub mod chain;
 pub mod file;
 pub mod layout;
 pub mod pyjson;
+pub mod validate;
 pub mod writer;
 
 pub use chain::{block_hash, chain, ChainHash};

@@ -11,6 +11,7 @@ import os
 
 from ._native import (  # noqa: F401
     VERSION,
+    BlockRejected,
     BlockWriter,
     CacheBuilder,
     ConfigError,
@@ -18,6 +19,7 @@ from ._native import (  # noqa: F401
     PdBridgeError,
     Weights,
     WeightsError,
+    inspect_block,
 )
 
 __version__ = VERSION
