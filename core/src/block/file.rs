@@ -10,22 +10,58 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use half::bf16;
+
 use super::pyjson::{Json, COMPACT};
 use crate::error::{CoreError, Result};
 
-/// One tensor of a block: its safetensors dtype string, shape and raw little-endian bytes.
+/// A tensor's bytes, borrowed from the state that holds them: the writer streams them to disk
+/// without copying the state.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Tensor {
+pub enum TensorData<'a> {
+    Bf16(&'a [bf16]),
+    /// The `(1,)` float32 zero.
+    ZeroF32,
+}
+
+impl TensorData<'_> {
+    pub fn len_bytes(&self) -> usize {
+        match self {
+            TensorData::Bf16(v) => v.len() * 2,
+            TensorData::ZeroF32 => 4,
+        }
+    }
+
+    fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
+        match self {
+            TensorData::ZeroF32 => w.write_all(&[0; 4]),
+            TensorData::Bf16(v) => {
+                let mut buf = [0u8; 8192];
+                for chunk in v.chunks(buf.len() / 2) {
+                    for (dst, x) in buf.chunks_exact_mut(2).zip(chunk) {
+                        dst.copy_from_slice(&x.to_le_bytes());
+                    }
+                    w.write_all(&buf[..chunk.len() * 2])?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One tensor of a block: its safetensors dtype string, shape and data.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor<'a> {
     pub name: String,
     pub dtype: &'static str,
     pub shape: Vec<usize>,
-    pub data: Vec<u8>,
+    pub data: TensorData<'a>,
 }
 
-impl Tensor {
+impl Tensor<'_> {
     /// The `(1,)` float32 zero oMLX stores for placeholders, `None` and zero-size states.
-    pub fn zero_f32(name: String) -> Tensor {
-        Tensor { name, dtype: "F32", shape: vec![1], data: vec![0; 4] }
+    pub fn zero_f32(name: String) -> Tensor<'static> {
+        Tensor { name, dtype: "F32", shape: vec![1], data: TensorData::ZeroF32 }
     }
 }
 
@@ -34,7 +70,7 @@ pub fn header(tensors: &[Tensor], metadata: &[(String, String)]) -> Vec<u8> {
     let mut entries = Vec::with_capacity(tensors.len() + 1);
     let mut offset = 0usize;
     for t in tensors {
-        let end = offset + t.data.len();
+        let end = offset + t.data.len_bytes();
         entries.push((
             t.name.clone(),
             Json::Obj(vec![
@@ -70,8 +106,8 @@ pub fn write_atomic(path: &Path, tensors: &[Tensor], metadata: &[(String, String
         w.write_all(&head)?;
         let mut size = head.len() as u64;
         for t in tensors {
-            w.write_all(&t.data)?;
-            size += t.data.len() as u64;
+            t.data.write_to(&mut w)?;
+            size += t.data.len_bytes() as u64;
         }
         let file = w.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
@@ -95,7 +131,7 @@ mod tests {
     #[test]
     fn header_layout_matches_omlx() {
         let t = vec![
-            Tensor { name: "layer_0_state_0".into(), dtype: "BF16", shape: vec![1, 1, 2, 2], data: vec![0; 8] },
+            Tensor { name: "layer_0_state_0".into(), dtype: "BF16", shape: vec![1, 1, 2, 2], data: TensorData::Bf16(&[bf16::ZERO; 4]) },
             Tensor::zero_f32("layer_0_state_1".into()),
         ];
         let meta = vec![("block_hash".to_string(), "ab".to_string()), ("token_count".to_string(), "2".to_string())];

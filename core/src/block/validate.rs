@@ -94,7 +94,7 @@ pub fn inspect(path: &Path, expect: &Expect) -> Result<BlockInfo, String> {
     }
     let names: HashSet<&str> = st.names().into_iter().collect();
     let count = |k: &str| -> Result<usize, String> { get(k)?.parse::<usize>().map_err(|_| format!("metadata {k} is not an integer")) };
-    let mut need = |prefix: &str| -> Result<(), String> {
+    let need = |prefix: &str| -> Result<(), String> {
         for k in 0..count(&format!("{prefix}_state_count"))? {
             let t = format!("{prefix}_state_{k}");
             if !names.contains(t.as_str()) {

@@ -3,7 +3,7 @@
 
 use half::bf16;
 
-use super::StateArray;
+use super::{ArrayView, StateArray};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, Rope};
 use crate::plan::MlaPlan;
 use crate::weights::MlaLayerWeights;
@@ -72,10 +72,13 @@ impl MlaLayerState {
     }
 
     /// Latent and rotated-key rows of tokens `[start, end)` (clamped to what is processed).
-    pub fn rows(&self, start: usize, end: usize) -> (Vec<bf16>, Vec<bf16>) {
+    pub fn rows(&self, start: usize, end: usize) -> (ArrayView<'_>, ArrayView<'_>) {
         let end = end.min(self.processed);
         let start = start.min(end);
-        (self.latent[start * self.rank..end * self.rank].to_vec(), self.k_pe[start * self.rope_dim..end * self.rope_dim].to_vec())
+        (
+            ArrayView::new(self.rank, &self.latent[start * self.rank..end * self.rank]),
+            ArrayView::new(self.rope_dim, &self.k_pe[start * self.rope_dim..end * self.rope_dim]),
+        )
     }
 
     pub fn snapshot(&self) -> Vec<StateArray> {

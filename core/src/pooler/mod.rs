@@ -21,7 +21,7 @@ use crate::error::{CoreError, Result};
 use crate::weights::{DecoderWeights, LayerWeights};
 
 pub use mla::MlaLayerState;
-pub use v4::V4LayerState;
+pub use v4::{V4BlockView, V4LayerState};
 
 /// Where the decoder starts each prefill forward call: at every multiple of `step` tokens
 /// (oMLX prefills block by block, so this is its cache block size).
@@ -50,6 +50,20 @@ pub struct StateArray {
     pub name: &'static str,
     pub shape: Vec<usize>,
     pub data: Vec<bf16>,
+}
+
+/// A borrowed `[rows, width]` bf16 array inside a layer's state.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ArrayView<'a> {
+    pub rows: usize,
+    pub width: usize,
+    pub data: &'a [bf16],
+}
+
+impl<'a> ArrayView<'a> {
+    pub fn new(width: usize, data: &'a [bf16]) -> Self {
+        ArrayView { rows: data.len().checked_div(width).unwrap_or(0), width, data }
+    }
 }
 
 /// A layer's cache state, whichever model family it belongs to.

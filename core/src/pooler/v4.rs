@@ -3,7 +3,7 @@
 
 use half::bf16;
 
-use super::{DecoderSteps, StateArray};
+use super::{ArrayView, DecoderSteps, StateArray};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
 use crate::weights::{CompressorWeights, V4LayerWeights};
@@ -43,9 +43,9 @@ impl Window {
     }
 
     /// The last `n` rows.
-    fn tail(&self, n: usize) -> Vec<bf16> {
+    fn tail(&self, n: usize) -> &[bf16] {
         let have = self.rows.len() / self.head_dim;
-        self.rows[(have - n.min(have)) * self.head_dim..].to_vec()
+        &self.rows[(have - n.min(have)) * self.head_dim..]
     }
 
     /// Rows MLX's rotating buffer holds after `processed` tokens on the decoder's grid: all rows
@@ -194,6 +194,11 @@ impl Compressor {
             .collect()
     }
 
+    /// `(buf_kv, buf_gate, pooled)`, as `PoolingCache.state` orders them.
+    fn views(&self) -> [ArrayView<'_>; 3] {
+        [ArrayView::new(self.out_dim, &self.buf_kv), ArrayView::new(self.out_dim, &self.buf_gate), ArrayView::new(self.head_dim, &self.pooled)]
+    }
+
     fn snapshot(&self, pooled: &'static str, buf_kv: &'static str, buf_gate: &'static str, out: &mut Vec<StateArray>) {
         let rem = self.buf_kv.len() / self.out_dim;
         out.push(StateArray { name: pooled, shape: vec![self.pooled.len() / self.head_dim, self.head_dim], data: self.pooled.clone() });
@@ -260,11 +265,19 @@ impl V4LayerState {
         self.compressor.is_some()
     }
 
-    /// The window as MLX's rotating buffer holds it (see [`Window`]), `[rows, head_dim]`.
-    pub fn raw_window(&self) -> StateArray {
+    /// What an oMLX block stores for this layer at the current position: a ratio-0 layer's
+    /// last `sliding_window` rows; a compressed layer's raw rotating buffer (see [`Window`])
+    /// and its pools.
+    pub fn block_view(&self) -> V4BlockView<'_> {
         let hd = self.window.head_dim;
-        let rows = self.window.raw_rows(self.processed);
-        StateArray { name: "window", shape: vec![rows, hd], data: self.window.tail(rows) }
+        let rows = if self.is_cache_list() { self.window.raw_rows(self.processed) } else { self.processed.min(self.window.size) };
+        V4BlockView {
+            offset: self.processed,
+            sliding_window: self.window.size,
+            ratio: self.ratio(),
+            window: ArrayView::new(hd, self.window.tail(rows)),
+            pools: self.compressor.iter().chain(self.indexer.iter()).map(Compressor::views).collect(),
+        }
     }
 
     /// The compress ratio (0 for a window-only layer).
@@ -280,7 +293,7 @@ impl V4LayerState {
     pub fn snapshot(&self) -> Vec<StateArray> {
         let hd = self.window.head_dim;
         let rows = self.processed.min(self.window.size);
-        let mut out = vec![StateArray { name: "window", shape: vec![rows, hd], data: self.window.tail(rows) }];
+        let mut out = vec![StateArray { name: "window", shape: vec![rows, hd], data: self.window.tail(rows).to_vec() }];
         if let Some(c) = &self.compressor {
             c.snapshot("pooled", "buf_kv", "buf_gate", &mut out);
         }
@@ -289,4 +302,17 @@ impl V4LayerState {
         }
         out
     }
+}
+
+/// A DeepSeek-V4 layer's state as one oMLX block stores it (borrowed).
+#[derive(Clone, Debug)]
+pub struct V4BlockView<'a> {
+    /// Tokens processed (the block's end).
+    pub offset: usize,
+    pub sliding_window: usize,
+    /// 0 for a window-only layer; then `pools` is empty.
+    pub ratio: usize,
+    pub window: ArrayView<'a>,
+    /// Per pool (compressor, then indexer): `[buf_kv, buf_gate, pooled]`.
+    pub pools: Vec<[ArrayView<'a>; 3]>,
 }
