@@ -143,3 +143,45 @@ def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
     assert r["choices"][0]["text"] == nat.answer
     missing = [k for k, p in bad.items() if p.name not in log]
     assert not missing, f"log does not name the rejected {missing}"
+
+
+def test_upstream_patch_applies_and_rescans(native_v4, tmp_path):
+    """patches/omlx-0.7.0-cache-rescan.patch: applies to the installed oMLX and its public
+    rescan() indexes a new block while the validator keeps a bad one out."""
+    import shutil
+    import subprocess
+    import sys
+
+    import omlx
+
+    src = Path(omlx.__file__).parent
+    shutil.copytree(src, tmp_path / "omlx", ignore=shutil.ignore_patterns("__pycache__"))
+    patch = Path(__file__).resolve().parents[2] / "patches" / "omlx-0.7.0-cache-rescan.patch"
+    subprocess.run(["git", "apply", str(patch)], cwd=tmp_path, check=True)
+    cache = tmp_path / "cache"
+    good = omlx_server.block_files(native_v4.native_dir)[0]
+    code = f"""
+import shutil, sys
+from pathlib import Path
+from omlx.cache.paged_ssd_cache import PagedSSDCacheManager
+from pd_bridge_omlx import BlockRejected, inspect_block
+m = PagedSSDCacheManager(Path({str(cache)!r}), 1 << 34)
+def validate(p):
+    try:
+        inspect_block(str(p))
+    except BlockRejected as e:
+        return str(e)
+m.set_block_validator(validate)
+good = Path({str(good)!r})
+dst = Path({str(cache)!r}) / good.parent.name / good.name
+dst.parent.mkdir(parents=True, exist_ok=True)
+shutil.copy(good, dst)
+bad = Path({str(cache)!r}) / "a" / ("a" * 64 + ".safetensors")
+bad.write_bytes(good.read_bytes()[:1000])
+r = m.rescan()
+print(r["registered"] == [good.stem], len(r["rejected"]) == 1, m.has_block(bytes.fromhex(good.stem)), r)
+"""
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:3] == ["True", "True", "True"], out.stdout

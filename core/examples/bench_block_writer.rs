@@ -1,0 +1,115 @@
+//! Benchmark: write DeepSeek-V4-Flash-shaped cache state (43 layers at the real dims, random
+//! values) for a long prompt as oMLX blocks, the way the bridge writes them.
+//!
+//!     cargo run --release -p pd-bridge-core --example bench_block_writer -- TOKENS BLOCK_SIZE OUT_DIR
+//!
+//! Prints one JSON line. Timed: building each block's tensors/metadata and writing its file
+//! (temp file, fsync, rename). Not timed: generating the random state. Each file is deleted once
+//! written, so the disk never holds more than one block (oMLX v3 blocks carry the full pools,
+//! so a 64K prompt totals tens of GB).
+
+use std::time::Instant;
+
+use half::bf16;
+use pd_bridge_core::block::file::write_atomic;
+use pd_bridge_core::block::layout::{contents, LayerView};
+use pd_bridge_core::block::{block_hash, block_path};
+use pd_bridge_core::pooler::{ArrayView, V4BlockView};
+
+const LAYERS: usize = 43;
+const HEAD: usize = 512;
+const INDEX_HEAD: usize = 128;
+const WINDOW: usize = 128;
+
+fn ratio(layer: usize) -> usize {
+    match layer {
+        0 | 1 => 0,
+        l if l % 2 == 0 => 4,
+        _ => 128,
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn fill(&mut self, out: &mut Vec<bf16>, n: usize) {
+        for _ in 0..n {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            out.push(bf16::from_bits(((self.0 >> 48) as u16 & 0x3fff) | 0x3c00));
+        }
+    }
+}
+
+fn peak_rss_mb() -> f64 {
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    usage.ru_maxrss as f64 / 1024.0
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let tokens: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(65536);
+    let block: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(512);
+    let out = std::path::PathBuf::from(args.get(3).cloned().unwrap_or_else(|| "/tmp/pd-bench-rust".into()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    // A raw rotating buffer is at most WINDOW - 1 + block rows; one random buffer serves all.
+    let mut window = Vec::new();
+    rng.fill(&mut window, (WINDOW - 1 + block) * HEAD);
+    // Per layer: [compressor pooled, indexer pooled] grown block by block.
+    let mut pools: Vec<Vec<Vec<bf16>>> = (0..LAYERS).map(|l| vec![Vec::new(); if ratio(l) == 4 { 2 } else { usize::from(ratio(l) != 0) }]).collect();
+    let model = "/bench/DeepSeek-V4-Flash";
+    let mut parent = None;
+    let (mut bytes, mut seconds, mut blocks) = (0u64, 0f64, 0usize);
+    let rss_before = peak_rss_mb();
+    for k in 0..tokens / block {
+        let end = (k + 1) * block;
+        for (l, p) in pools.iter_mut().enumerate() {
+            for (j, pool) in p.iter_mut().enumerate() {
+                let width = if j == 0 { HEAD } else { INDEX_HEAD };
+                rng.fill(pool, block / ratio(l) * width);
+            }
+        }
+        let ids: Vec<u32> = (0..block as u32).map(|i| (i * 7 + k as u32) % 1000).collect();
+        let hash = block_hash(model, parent.as_ref(), &ids);
+        parent = Some(hash);
+        let empty: &[bf16] = &[];
+        let t0 = Instant::now();
+        let views: Vec<LayerView<'_>> = (0..LAYERS)
+            .map(|l| {
+                let r = ratio(l);
+                let rows = if r == 0 { end.min(WINDOW) } else { end.min(WINDOW - 1 + block) };
+                LayerView::V4(V4BlockView {
+                    offset: end,
+                    sliding_window: WINDOW,
+                    ratio: r,
+                    window: ArrayView::new(HEAD, &window[window.len() - rows * HEAD..]),
+                    pools: pools[l]
+                        .iter()
+                        .enumerate()
+                        .map(|(j, pooled)| {
+                            let w = if j == 0 { HEAD } else { INDEX_HEAD };
+                            let od = if r == 4 { 2 * w } else { w };
+                            [ArrayView::new(od, empty), ArrayView::new(od, empty), ArrayView::new(w, pooled)]
+                        })
+                        .collect(),
+                })
+            })
+            .collect();
+        let c = contents(model, &hash, block, &views, 0.0);
+        let path = block_path(&out, &hash);
+        bytes += write_atomic(&path, &c.tensors, &c.metadata).expect("write");
+        seconds += t0.elapsed().as_secs_f64();
+        blocks += 1;
+        std::fs::remove_file(&path).expect("remove");
+    }
+    let state_mb = pools.iter().flatten().map(|p| p.len() * 2).sum::<usize>() as f64 / 1e6 + window.len() as f64 * 2.0 / 1e6;
+    println!(
+        "{{\"writer\":\"rust\",\"tokens\":{tokens},\"block_size\":{block},\"blocks\":{blocks},\"bytes\":{bytes},\"seconds\":{seconds:.3},\"gb_per_s\":{:.3},\"tokens_per_s\":{:.0},\"peak_rss_mb\":{:.1},\"rss_before_writing_mb\":{rss_before:.1},\"state_mb\":{state_mb:.1}}}",
+        bytes as f64 / seconds / 1e9,
+        (blocks * block) as f64 / seconds,
+        peak_rss_mb()
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
