@@ -106,3 +106,27 @@ def test_feed_rejections(models):
     with pytest.raises(ConfigError):
         CacheBuilder(w, 0)
     assert issubclass(InputError, PdBridgeError) and issubclass(WeightsError, PdBridgeError)
+
+
+def test_adapter_refuses_an_unsupported_omlx(monkeypatch):
+    import omlx
+
+    from pd_bridge_omlx import adapter
+
+    assert adapter.check_version() == "0.7.0"
+    monkeypatch.setattr(omlx, "__version__", "0.9.1")
+    with pytest.raises(adapter.UnsupportedOmlxError, match=r"supports oMLX 0\.7\.0; this is oMLX 0\.9\.1"):
+        adapter.check_version()
+
+
+def test_autoload_is_inert_without_env_var():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PD_BRIDGE_OMLX"}
+    code = "import sys; print(any(type(f).__name__ == '_AfterImport' for f in sys.meta_path), 'pd_bridge_omlx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PD_BRIDGE_OMLX": "1"}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
