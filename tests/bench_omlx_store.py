@@ -219,7 +219,10 @@ def omlx_store(
     Returns ``{"blocks", "bytes", "seconds", "gb_per_s", "tokens_per_s", "peak_rss_mb", ...}``:
     ``bytes`` is the sum of the final block file sizes, ``gb_per_s`` is ``bytes / seconds / 1e9``
     (decimal GB), ``peak_rss_mb`` the process's max RSS (MiB). Extra keys: ``mode``,
-    ``max_inflight``, ``dropped``, ``save_call_seconds`` (time inside ``save_block`` on the
+    ``max_inflight``, ``dropped``, ``max_pending`` (most blocks queued or being written, sampled
+    after each ``save_block``), ``first_dropped`` (index of the first block ``save_block`` refused;
+    oMLX's ``store_cache`` stops storing the request at its first refusal, so only the blocks before
+    it would be usable), ``save_call_seconds`` (time inside ``save_block`` on the
     caller thread), ``fsync_seconds`` (untimed fsync of the surviving files afterwards),
     ``deleted_during_run`` (files removed early because the disk ran low), ``largest_block_bytes``.
     Files are removed afterwards unless ``keep``.
@@ -258,6 +261,7 @@ def omlx_store(
     excluded = 0.0  # seconds spent deleting files mid-run, subtracted from the window
     save_call = 0.0
     dropped = []
+    max_pending = 0
     bound = 1 if mode == "serial" else max_inflight
     expected_largest = jobs[-1][3]
     os.sync()
@@ -279,6 +283,7 @@ def omlx_store(
         ts = time.perf_counter()
         ok = mgr.save_block(hashes[k], cache_data, token_count=block_size, model_name=MODEL_NAME, layer_cache_types=types, layer_meta_states=metas)
         save_call += time.perf_counter() - ts
+        max_pending = max(max_pending, _pending(mgr))
         if not ok:
             dropped.append(k)
     _wait_pending_below(mgr, 1)
@@ -325,6 +330,8 @@ def omlx_store(
         "mode": mode,
         "max_inflight": bound,
         "dropped": len(dropped),
+        "max_pending": max_pending,
+        "first_dropped": dropped[0] if dropped else None,
         "save_call_seconds": save_call,
         "fsync_seconds": fsync_seconds,
         "deleted_during_run": deleted,

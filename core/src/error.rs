@@ -24,6 +24,14 @@ pub enum CoreError {
     #[error("input for layer {layer}: {reason}")]
     Input { layer: usize, reason: String },
 
+    /// A malformed, out-of-order or foreign segment stream.
+    #[error("wire: {0}")]
+    Wire(String),
+
+    /// A peer that does not hold the shared token.
+    #[error("auth: {0}")]
+    Auth(String),
+
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
 }
@@ -39,6 +47,9 @@ impl CoreError {
     }
     pub(crate) fn input(layer: usize, reason: impl Into<String>) -> Self {
         CoreError::Input { layer, reason: reason.into() }
+    }
+    pub(crate) fn wire(reason: impl Into<String>) -> Self {
+        CoreError::Wire(reason.into())
     }
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         CoreError::Io { path: path.into(), source }

@@ -10,7 +10,9 @@ pub mod error;
 pub mod numerics;
 pub mod plan;
 pub mod pooler;
+pub mod segment;
 pub mod weights;
+pub mod wire;
 
 pub use error::{CoreError, Result};
 pub use plan::ModelPlan;

@@ -1,0 +1,217 @@
+//! Segments: the decoder's finished cache state at one oMLX block boundary, as the prefill host
+//! ships it and the decode host writes it. Model-agnostic: a segment carries per-layer arrays in
+//! the shape the block layout needs ([`LayerView`]), the weights fingerprint and token positions.
+
+use half::bf16;
+use serde::{Deserialize, Serialize};
+
+use crate::block::layout::LayerView;
+use crate::error::{CoreError, Result};
+use crate::pooler::{ArrayView, V4BlockView};
+
+/// How a layer's arrays are to be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LayerKind {
+    /// DeepSeek-V4: `arrays[0]` the window, then `[buf_kv, buf_gate, pooled]` per pool.
+    V4 { offset: u64, sliding_window: u32, ratio: u32 },
+    /// A plain KV slice: `arrays = [keys, values]`.
+    Kv,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArrayShape {
+    pub rows: u32,
+    pub width: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerHeader {
+    #[serde(flatten)]
+    pub kind: LayerKind,
+    pub arrays: Vec<ArrayShape>,
+}
+
+/// Everything about a segment but its array bytes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SegmentHeader {
+    pub request_id: String,
+    pub fingerprint: String,
+    /// Block index in the request's chain.
+    pub index: u32,
+    /// The block covers tokens `[start, end)`.
+    pub start: u64,
+    pub end: u64,
+    pub layers: Vec<LayerHeader>,
+}
+
+/// A segment with its arrays, owned (as received or about to be sent).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Segment {
+    pub header: SegmentHeader,
+    /// All arrays of all layers, in header order.
+    pub arrays: Vec<Vec<bf16>>,
+}
+
+impl Segment {
+    /// Capture the block `[start, end)`'s state from per-layer views.
+    pub fn from_views(request_id: &str, fingerprint: &str, index: u32, start: u64, end: u64, views: &[LayerView<'_>]) -> Segment {
+        let mut layers = Vec::with_capacity(views.len());
+        let mut arrays = Vec::new();
+        let mut push = |a: &ArrayView<'_>, shapes: &mut Vec<ArrayShape>| {
+            shapes.push(ArrayShape { rows: a.rows as u32, width: a.width as u32 });
+            arrays.push(a.data.to_vec());
+        };
+        for v in views {
+            let mut shapes = Vec::new();
+            let kind = match v {
+                LayerView::V4(v) => {
+                    push(&v.window, &mut shapes);
+                    for pool in &v.pools {
+                        for a in pool {
+                            push(a, &mut shapes);
+                        }
+                    }
+                    LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32 }
+                }
+                LayerView::Kv(k, val) => {
+                    push(k, &mut shapes);
+                    push(val, &mut shapes);
+                    LayerKind::Kv
+                }
+            };
+            layers.push(LayerHeader { kind, arrays: shapes });
+        }
+        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), index, start, end, layers }, arrays }
+    }
+
+    /// Borrow the segment as per-layer views for the block writer.
+    pub fn views(&self) -> Result<Vec<LayerView<'_>>> {
+        let mut next = self.arrays.iter();
+        let mut out = Vec::with_capacity(self.header.layers.len());
+        for (i, layer) in self.header.layers.iter().enumerate() {
+            let mut take = |s: &ArrayShape| -> Result<ArrayView<'_>> {
+                let data = next.next().ok_or_else(|| CoreError::wire(format!("layer {i}: fewer arrays than the header lists")))?;
+                if data.len() != s.rows as usize * s.width as usize {
+                    return Err(CoreError::wire(format!("layer {i}: array of {} values, header says {}x{}", data.len(), s.rows, s.width)));
+                }
+                Ok(ArrayView { rows: s.rows as usize, width: s.width as usize, data })
+            };
+            out.push(match layer.kind {
+                LayerKind::V4 { offset, sliding_window, ratio } => {
+                    let Some((window, rest)) = layer.arrays.split_first() else {
+                        return Err(CoreError::wire(format!("layer {i}: a V4 layer needs a window")));
+                    };
+                    if rest.len() % 3 != 0 || (ratio == 0) != rest.is_empty() {
+                        return Err(CoreError::wire(format!("layer {i}: {} pool arrays for ratio {ratio}", rest.len())));
+                    }
+                    let window = take(window)?;
+                    let mut pools = Vec::new();
+                    for p in rest.chunks_exact(3) {
+                        pools.push([take(&p[0])?, take(&p[1])?, take(&p[2])?]);
+                    }
+                    LayerView::V4(V4BlockView { offset: offset as usize, sliding_window: sliding_window as usize, ratio: ratio as usize, window, pools })
+                }
+                LayerKind::Kv => {
+                    let [k, v] = layer.arrays.as_slice() else {
+                        return Err(CoreError::wire(format!("layer {i}: a KV layer has exactly two arrays")));
+                    };
+                    LayerView::Kv(take(k)?, take(v)?)
+                }
+            });
+        }
+        if next.next().is_some() {
+            return Err(CoreError::wire("more arrays than the header lists"));
+        }
+        Ok(out)
+    }
+
+    /// Payload bytes: u32 LE header length, the header as JSON, then every array as LE bf16.
+    pub fn encode(&self) -> Vec<u8> {
+        let header = serde_json::to_vec(&self.header).expect("segment header serializes");
+        let body: usize = self.arrays.iter().map(|a| a.len() * 2).sum();
+        let mut out = Vec::with_capacity(4 + header.len() + body);
+        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        out.extend_from_slice(&header);
+        for a in &self.arrays {
+            for v in a {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Parse a payload; every length is checked against the bytes actually present.
+    pub fn decode(payload: &[u8]) -> Result<Segment> {
+        let n = payload.get(..4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize).ok_or_else(|| CoreError::wire("segment shorter than its length prefix"))?;
+        let head = payload.get(4..4 + n).ok_or_else(|| CoreError::wire(format!("segment header of {n} bytes overruns the payload")))?;
+        let header: SegmentHeader = serde_json::from_slice(head).map_err(|e| CoreError::wire(format!("segment header: {e}")))?;
+        if header.end <= header.start {
+            return Err(CoreError::wire(format!("segment covers an empty range [{}, {})", header.start, header.end)));
+        }
+        let mut body = &payload[4 + n..];
+        let mut arrays = Vec::new();
+        for s in header.layers.iter().flat_map(|l| &l.arrays) {
+            let bytes = (s.rows as usize).checked_mul(s.width as usize).and_then(|v| v.checked_mul(2)).ok_or_else(|| CoreError::wire("array size overflows"))?;
+            if bytes > body.len() {
+                return Err(CoreError::wire(format!("array {}x{} overruns the payload ({} bytes left)", s.rows, s.width, body.len())));
+            }
+            arrays.push(body[..bytes].chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect());
+            body = &body[bytes..];
+        }
+        if !body.is_empty() {
+            return Err(CoreError::wire(format!("{} trailing bytes after the last array", body.len())));
+        }
+        Ok(Segment { header, arrays })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Segment {
+        let w: Vec<bf16> = (0..12).map(|i| bf16::from_f32(i as f32)).collect();
+        let p: Vec<bf16> = (0..4).map(|i| bf16::from_f32(-(i as f32))).collect();
+        let views = vec![
+            LayerView::V4(V4BlockView {
+                offset: 8,
+                sliding_window: 4,
+                ratio: 4,
+                window: ArrayView::new(3, &w),
+                pools: vec![[ArrayView::new(4, &[]), ArrayView::new(4, &[]), ArrayView::new(2, &p)]],
+            }),
+            LayerView::Kv(ArrayView::new(3, &w[..6]), ArrayView::new(2, &p)),
+        ];
+        Segment::from_views("req-1", "sha256:ab", 1, 4, 8, &views)
+    }
+
+    #[test]
+    fn round_trips_and_views_match() {
+        let s = sample();
+        let d = Segment::decode(&s.encode()).unwrap();
+        assert_eq!(d, s);
+        let v = d.views().unwrap();
+        match &v[0] {
+            LayerView::V4(x) => assert_eq!((x.window.rows, x.pools[0][2].rows, x.ratio), (4, 2, 4)),
+            _ => panic!(),
+        }
+    }
+
+    #[test]
+    fn hostile_payloads_are_rejected() {
+        let good = sample().encode();
+        for cut in [0, 3, 10, good.len() - 1] {
+            assert!(Segment::decode(&good[..cut]).is_err(), "cut {cut}");
+        }
+        let mut extra = good.clone();
+        extra.push(0);
+        assert!(Segment::decode(&extra).unwrap_err().to_string().contains("trailing"));
+        let mut huge = sample();
+        huge.header.layers[0].arrays[0].rows = u32::MAX;
+        assert!(Segment::decode(&huge.encode()).is_err());
+        let mut bad = sample();
+        bad.arrays.pop();
+        assert!(bad.views().is_err());
+    }
+}
