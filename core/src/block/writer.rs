@@ -6,9 +6,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::chain::{chain, ChainHash};
 use super::file::write_atomic;
-use super::layout::block_contents;
+use super::layout::{block_contents, contents, LayerView};
 use crate::error::{CoreError, Result};
 use crate::pooler::LayerState;
+use crate::segment::Segment;
 
 /// Where oMLX keeps a block: `<cache_dir>/<hex[0]>/<hex>.safetensors`.
 pub fn block_path(cache_dir: &Path, hash: &ChainHash) -> PathBuf {
@@ -58,16 +59,49 @@ impl BlockWriter {
 
     /// Write block `index` from layer states that have processed exactly its end boundary.
     pub fn write(&self, index: usize, layers: &[LayerState]) -> Result<Written> {
-        let hash = self.chain.get(index).ok_or_else(|| CoreError::input(0, format!("block {index} is not a full block of this prompt ({} blocks)", self.chain.len())))?;
-        let path = block_path(&self.cache_dir, hash);
-        if let Ok(m) = std::fs::metadata(&path) {
-            return Ok(Written { path, bytes: m.len(), existed: true });
+        let (hash, path, existing) = self.target(index)?;
+        if let Some(w) = existing {
+            return Ok(w);
         }
         let (start, end) = (index * self.block_size, (index + 1) * self.block_size);
-        let created_at = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        let contents = block_contents(&self.model_name, hash, layers, start, end, created_at)?;
-        let bytes = write_atomic(&path, &contents.tensors, &contents.metadata)?;
+        let contents = block_contents(&self.model_name, &hash, layers, start, end, now())?;
+        self.finish(index, &hash, path, &contents.tensors, &contents.metadata)
+    }
+
+    /// Write the block a received segment carries (the decode host's path).
+    pub fn write_segment(&self, seg: &Segment) -> Result<Written> {
+        let index = seg.header.index as usize;
+        let (start, end) = (index * self.block_size, (index + 1) * self.block_size);
+        if (seg.header.start, seg.header.end) != (start as u64, end as u64) {
+            return Err(CoreError::wire(format!(
+                "segment {index} covers [{}, {}), block {index} is [{start}, {end})",
+                seg.header.start, seg.header.end
+            )));
+        }
+        let (hash, path, existing) = self.target(index)?;
+        if let Some(w) = existing {
+            return Ok(w);
+        }
+        let views: Vec<LayerView<'_>> = seg.views()?;
+        let c = contents(&self.model_name, &hash, self.block_size, &views, now());
+        self.finish(index, &hash, path, &c.tensors, &c.metadata)
+    }
+
+    fn target(&self, index: usize) -> Result<(ChainHash, PathBuf, Option<Written>)> {
+        let hash = *self.chain.get(index).ok_or_else(|| CoreError::input(0, format!("block {index} is not a full block of this prompt ({} blocks)", self.chain.len())))?;
+        let path = block_path(&self.cache_dir, &hash);
+        // Blocks are immutable once named: an existing one is never rewritten.
+        let existing = std::fs::metadata(&path).ok().map(|m| Written { path: path.clone(), bytes: m.len(), existed: true });
+        Ok((hash, path, existing))
+    }
+
+    fn finish(&self, index: usize, hash: &ChainHash, path: PathBuf, tensors: &[super::file::Tensor<'_>], metadata: &[(String, String)]) -> Result<Written> {
+        let bytes = write_atomic(&path, tensors, metadata)?;
         tracing::debug!(block = index, hash = %hash.hex(), bytes, "block written");
         Ok(Written { path, bytes, existed: false })
     }
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
