@@ -225,7 +225,10 @@ def omlx_store(
     it would be usable), ``save_call_seconds`` (time inside ``save_block`` on the
     caller thread), ``fsync_seconds`` (untimed fsync of the surviving files afterwards),
     ``deleted_during_run`` (files removed early because the disk ran low), ``largest_block_bytes``.
-    Files are removed afterwards unless ``keep``.
+    The block files (and the empty 0-f subdirectories oMLX creates) are removed afterwards unless
+    ``keep``; ``out_dir`` itself belongs to the caller and is left in place. If the disk gets low
+    (free < the next block x the in-flight bound + 2 GiB), already-written files are deleted
+    before the next ``save_block`` (sizes recorded first; the pause is not timed).
     """
     if mode not in ("pipelined", "serial"):
         raise ValueError(f"mode must be 'pipelined' or 'serial', not {mode!r}")
