@@ -40,6 +40,7 @@ def write_blocks(model_dir: Path, model_name: str, ids: list[int], block_size: i
             builder.feed(layer, start, parity.bf16_bits(per_layer[layer]).tobytes())
         path, _bytes, _existed = writer.write(builder, i)
         paths.append(Path(path))
+    writer.flush()
     return Written([writer.hash_hex(i) for i in range(n_blocks)], paths, time.perf_counter() - t0)
 
 

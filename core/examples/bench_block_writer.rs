@@ -3,17 +3,17 @@
 //!
 //!     cargo run --release -p pd-bridge-core --example bench_block_writer -- TOKENS BLOCK_SIZE OUT_DIR
 //!
-//! Prints one JSON line. Timed: building each block's tensors/metadata and writing its file
-//! (temp file, fsync, rename). Not timed: generating the random state. Each file is deleted once
-//! written, so the disk never holds more than one block (oMLX v3 blocks carry the full pools,
-//! so a 64K prompt totals tens of GB).
+//! Prints one JSON line. Timed: `BlockWriter::write_views` for every block (building the
+//! tensors and metadata, writing the temp file; its fsync and rename overlap the next block on
+//! the writer's helper thread) plus the final flush. Not timed: generating the random state and
+//! deleting each block once the next one is written, so the disk holds at most two blocks (oMLX
+//! v3 blocks carry the full pools, so a 64K prompt totals tens of GB).
 
 use std::time::Instant;
 
 use half::bf16;
-use pd_bridge_core::block::file::write_atomic;
-use pd_bridge_core::block::layout::{contents, LayerView};
-use pd_bridge_core::block::{block_hash, block_path};
+use pd_bridge_core::block::layout::LayerView;
+use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::pooler::{ArrayView, V4BlockView};
 
 const LAYERS: usize = 43;
@@ -60,7 +60,9 @@ fn main() {
     // Per layer: [compressor pooled, indexer pooled] grown block by block.
     let mut pools: Vec<Vec<Vec<bf16>>> = (0..LAYERS).map(|l| vec![Vec::new(); if ratio(l) == 4 { 2 } else { usize::from(ratio(l) != 0) }]).collect();
     let model = "/bench/DeepSeek-V4-Flash";
-    let mut parent = None;
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7) % 1000).collect();
+    let writer = BlockWriter::new(&out, model, block, &ids).expect("writer");
+    let mut previous: Option<std::path::PathBuf> = None;
     let (mut bytes, mut seconds, mut blocks) = (0u64, 0f64, 0usize);
     let rss_before = peak_rss_mb();
     for k in 0..tokens / block {
@@ -71,9 +73,6 @@ fn main() {
                 rng.fill(pool, block / ratio(l) * width);
             }
         }
-        let ids: Vec<u32> = (0..block as u32).map(|i| (i * 7 + k as u32) % 1000).collect();
-        let hash = block_hash(model, parent.as_ref(), &ids);
-        parent = Some(hash);
         let empty: &[bf16] = &[];
         let t0 = Instant::now();
         let views: Vec<LayerView<'_>> = (0..LAYERS)
@@ -97,13 +96,18 @@ fn main() {
                 })
             })
             .collect();
-        let c = contents(model, &hash, block, &views, 0.0);
-        let path = block_path(&out, &hash);
-        bytes += write_atomic(&path, &c.tensors, &c.metadata).expect("write");
+        let w = writer.write_views(k, &views).expect("write");
         seconds += t0.elapsed().as_secs_f64();
+        bytes += w.bytes;
         blocks += 1;
-        std::fs::remove_file(&path).expect("remove");
+        // The previous block is on disk once this one is written (one block in flight).
+        if let Some(p) = previous.replace(w.path) {
+            std::fs::remove_file(p).expect("remove");
+        }
     }
+    let t0 = Instant::now();
+    writer.flush().expect("flush");
+    seconds += t0.elapsed().as_secs_f64();
     let state_mb = pools.iter().flatten().map(|p| p.len() * 2).sum::<usize>() as f64 / 1e6 + window.len() as f64 * 2.0 / 1e6;
     println!(
         "{{\"writer\":\"rust\",\"tokens\":{tokens},\"block_size\":{block},\"blocks\":{blocks},\"bytes\":{bytes},\"seconds\":{seconds:.3},\"gb_per_s\":{:.3},\"tokens_per_s\":{:.0},\"peak_rss_mb\":{:.1},\"rss_before_writing_mb\":{rss_before:.1},\"state_mb\":{state_mb:.1}}}",

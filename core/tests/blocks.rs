@@ -43,6 +43,8 @@ fn check(dir: std::path::PathBuf, block: usize, blocks: usize) {
         let seg = Segment::from_views("r", &w.fingerprint, k as u32, (k * block) as u64, ((k + 1) * block) as u64, &views);
         let received = Segment::decode(&seg.encode()).unwrap();
         let c = ws.write_segment(&received).unwrap();
+        wd.flush().unwrap();
+        ws.flush().unwrap();
         assert_eq!(parsed(&a.path), parsed(&c.path), "block {k}");
         let expect = Expect { model_name: Some("/m".into()), num_layers: Some(w.plan.num_layers()), block_size: Some(block) };
         assert_eq!(inspect(&a.path, &expect).unwrap().token_count, block);

@@ -136,8 +136,14 @@ impl BlockWriter {
         self.inner.hash(index).map(|h| h.hex()).ok_or_else(|| InputError::new_err(format!("no block {index}")))
     }
 
+    /// Wait until every written block is on disk under its final name (visible to oMLX).
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.flush()).map_err(to_py)
+    }
+
     /// Write block `index` from `builder`, whose layers must have processed exactly the block's
-    /// end. Returns `(path, bytes, existed)`.
+    /// end; its flush to disk finishes in the background (see `flush`). Returns
+    /// `(path, bytes, existed)`.
     fn write(&self, py: Python<'_>, builder: PyRef<'_, CacheBuilder>, index: usize) -> PyResult<(std::path::PathBuf, u64, bool)> {
         let layers = builder.inner.layers();
         let w = py.detach(|| self.inner.write(index, layers)).map_err(to_py)?;

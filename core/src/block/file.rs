@@ -92,16 +92,58 @@ pub fn header(tensors: &[Tensor], metadata: &[(String, String)]) -> Vec<u8> {
     out
 }
 
-/// Write a block file atomically: temp file in the same directory, fsync, rename, fsync the
-/// directory. Returns the file size.
-pub fn write_atomic(path: &Path, tensors: &[Tensor], metadata: &[(String, String)]) -> Result<u64> {
+/// A block written under its temporary name, not yet flushed or visible.
+#[derive(Debug)]
+pub struct PendingBlock {
+    file: File,
+    tmp: PathBuf,
+    path: PathBuf,
+    size: u64,
+}
+
+impl PendingBlock {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Flush the file to disk, rename it into place, flush the directory. Returns the size.
+    pub fn commit(self) -> Result<u64> {
+        let PendingBlock { file, tmp, path, size } = self;
+        let result = (|| -> std::io::Result<()> {
+            file.sync_all()?;
+            drop(file);
+            std::fs::rename(&tmp, &path)?;
+            if let Some(dir) = path.parent() {
+                if let Ok(d) = File::open(dir) {
+                    let _ = d.sync_all();
+                }
+            }
+            Ok(())
+        })();
+        result.map(|_| size).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            CoreError::io(&path, e)
+        })
+    }
+
+    /// Give up: remove the temporary file.
+    pub fn discard(self) {
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
+
+/// Write a block under a temporary name in its final directory (a name oMLX's scan ignores).
+pub fn write_pending(path: &Path, tensors: &[Tensor<'_>], metadata: &[(String, String)]) -> Result<PendingBlock> {
     let dir = path.parent().ok_or_else(|| CoreError::io(path, std::io::Error::other("block path has no directory")))?;
     std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("block");
     let tmp: PathBuf = dir.join(format!(".{stem}.{}.pd-tmp", std::process::id()));
-    let result = (|| -> std::io::Result<u64> {
-        let file = File::create(&tmp)?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
+    let result = (|| -> std::io::Result<(File, u64)> {
+        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
         let head = header(tensors, metadata);
         w.write_all(&head)?;
         let mut size = head.len() as u64;
@@ -109,19 +151,21 @@ pub fn write_atomic(path: &Path, tensors: &[Tensor], metadata: &[(String, String
             t.data.write_to(&mut w)?;
             size += t.data.len_bytes() as u64;
         }
-        let file = w.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()?;
-        drop(file);
-        std::fs::rename(&tmp, path)?;
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(size)
+        Ok((w.into_inner().map_err(|e| e.into_error())?, size))
     })();
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        CoreError::io(path, e)
-    })
+    match result {
+        Ok((file, size)) => Ok(PendingBlock { file, tmp, path: path.to_path_buf(), size }),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(CoreError::io(path, e))
+        }
+    }
+}
+
+/// Write a block file atomically: temp file in the same directory, fsync, rename, fsync the
+/// directory. Returns the file size.
+pub fn write_atomic(path: &Path, tensors: &[Tensor<'_>], metadata: &[(String, String)]) -> Result<u64> {
+    write_pending(path, tensors, metadata)?.commit()
 }
 
 #[cfg(test)]

@@ -2,10 +2,12 @@
 //! pooler reaches each block boundary. Memory is one block at a time, whatever the prompt length.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::chain::{chain, ChainHash};
-use super::file::write_atomic;
+use super::file::{write_pending, Tensor};
 use super::layout::{block_contents, contents, LayerView};
 use crate::error::{CoreError, Result};
 use crate::pooler::LayerState;
@@ -31,6 +33,8 @@ pub struct BlockWriter {
     model_name: String,
     block_size: usize,
     chain: Vec<ChainHash>,
+    /// The block being flushed on the helper thread, and its final path.
+    in_flight: Mutex<Option<(PathBuf, JoinHandle<Result<u64>>)>>,
 }
 
 impl BlockWriter {
@@ -42,7 +46,7 @@ impl BlockWriter {
         }
         let model_name = model_name.into();
         let chain = chain(&model_name, tokens, block_size);
-        Ok(BlockWriter { cache_dir: cache_dir.into(), model_name, block_size, chain })
+        Ok(BlockWriter { cache_dir: cache_dir.into(), model_name, block_size, chain, in_flight: Mutex::new(None) })
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -68,6 +72,16 @@ impl BlockWriter {
         self.finish(index, &hash, path, &contents.tensors, &contents.metadata)
     }
 
+    /// Write block `index` from per-layer views (already at the block's end boundary).
+    pub fn write_views(&self, index: usize, views: &[LayerView<'_>]) -> Result<Written> {
+        let (hash, path, existing) = self.target(index)?;
+        if let Some(w) = existing {
+            return Ok(w);
+        }
+        let c = contents(&self.model_name, &hash, self.block_size, views, now());
+        self.finish(index, &hash, path, &c.tensors, &c.metadata)
+    }
+
     /// Write the block a received segment carries (the decode host's path).
     pub fn write_segment(&self, seg: &Segment) -> Result<Written> {
         let index = seg.header.index as usize;
@@ -90,15 +104,47 @@ impl BlockWriter {
     fn target(&self, index: usize) -> Result<(ChainHash, PathBuf, Option<Written>)> {
         let hash = *self.chain.get(index).ok_or_else(|| CoreError::input(0, format!("block {index} is not a full block of this prompt ({} blocks)", self.chain.len())))?;
         let path = block_path(&self.cache_dir, &hash);
-        // Blocks are immutable once named: an existing one is never rewritten.
-        let existing = std::fs::metadata(&path).ok().map(|m| Written { path: path.clone(), bytes: m.len(), existed: true });
+        // Blocks are immutable once named: an existing (or in-flight) one is never rewritten.
+        let in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|(p, _)| *p == path);
+        let existing = if in_flight {
+            Some(Written { path: path.clone(), bytes: 0, existed: true })
+        } else {
+            std::fs::metadata(&path).ok().map(|m| Written { path: path.clone(), bytes: m.len(), existed: true })
+        };
         Ok((hash, path, existing))
     }
 
-    fn finish(&self, index: usize, hash: &ChainHash, path: PathBuf, tensors: &[super::file::Tensor<'_>], metadata: &[(String, String)]) -> Result<Written> {
-        let bytes = write_atomic(&path, tensors, metadata)?;
+    fn finish(&self, index: usize, hash: &ChainHash, path: PathBuf, tensors: &[Tensor<'_>], metadata: &[(String, String)]) -> Result<Written> {
+        let pending = write_pending(&path, tensors, metadata)?;
+        let mut slot = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        // Only one block in flight: the previous one must be on disk first, in chain order.
+        if let Some((_, previous)) = slot.take() {
+            if let Err(e) = previous.join().unwrap_or_else(|_| Err(CoreError::wire("block flush thread panicked"))) {
+                pending.discard();
+                return Err(e);
+            }
+        }
+        let bytes = pending.size();
+        *slot = Some((path.clone(), std::thread::spawn(move || pending.commit())));
         tracing::debug!(block = index, hash = %hash.hex(), bytes, "block written");
         Ok(Written { path, bytes, existed: false })
+    }
+
+    /// Wait until every written block is flushed and renamed into place (visible to oMLX).
+    pub fn flush(&self) -> Result<()> {
+        let handle = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match handle {
+            Some((_, h)) => h.join().unwrap_or_else(|_| Err(CoreError::wire("block flush thread panicked"))).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for BlockWriter {
+    fn drop(&mut self) {
+        if let Err(e) = self.flush() {
+            tracing::warn!(error = %e, "last block could not be flushed");
+        }
     }
 }
 

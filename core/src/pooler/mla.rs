@@ -18,6 +18,8 @@ pub struct MlaLayerState {
     /// YaRN magnitude applied to the rope features before rotation (1 means none).
     mscale: Option<bf16>,
     processed: usize,
+    /// Rows before this token were handed out and dropped ([`MlaLayerState::drop_before`]).
+    base: usize,
     latent: Vec<bf16>,
     k_pe: Vec<bf16>,
     scratch: Vec<bf16>,
@@ -40,6 +42,7 @@ impl MlaLayerState {
             rope,
             mscale,
             processed: 0,
+            base: 0,
             latent: Vec::new(),
             k_pe: Vec::new(),
             scratch: Vec::new(),
@@ -71,20 +74,32 @@ impl MlaLayerState {
         self.processed = start + n;
     }
 
-    /// Latent and rotated-key rows of tokens `[start, end)` (clamped to what is processed).
+    /// Latent and rotated-key rows of tokens `[start, end)` (clamped to what is held).
     pub fn rows(&self, start: usize, end: usize) -> (ArrayView<'_>, ArrayView<'_>) {
-        let end = end.min(self.processed);
-        let start = start.min(end);
+        let end = end.min(self.processed) - self.base.min(end.min(self.processed));
+        let start = start.saturating_sub(self.base).min(end);
         (
             ArrayView::new(self.rank, &self.latent[start * self.rank..end * self.rank]),
             ArrayView::new(self.rope_dim, &self.k_pe[start * self.rope_dim..end * self.rope_dim]),
         )
     }
 
+    /// Drop the rows of tokens before `token`: each token's latent depends on that token alone,
+    /// so a streaming capture keeps only what it has not shipped yet.
+    pub fn drop_before(&mut self, token: usize) {
+        let token = token.min(self.processed);
+        if token > self.base {
+            let n = token - self.base;
+            self.latent.drain(..n * self.rank);
+            self.k_pe.drain(..n * self.rope_dim);
+            self.base = token;
+        }
+    }
+
     pub fn snapshot(&self) -> Vec<StateArray> {
         vec![
-            StateArray { name: "latent", shape: vec![self.processed, self.rank], data: self.latent.clone() },
-            StateArray { name: "k_pe", shape: vec![self.processed, self.rope_dim], data: self.k_pe.clone() },
+            StateArray { name: "latent", shape: vec![self.processed - self.base, self.rank], data: self.latent.clone() },
+            StateArray { name: "k_pe", shape: vec![self.processed - self.base, self.rope_dim], data: self.k_pe.clone() },
         ]
     }
 }

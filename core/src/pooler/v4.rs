@@ -77,6 +77,8 @@ struct Compressor {
     /// The last complete window (ratio 4 only): raw kv and gate, and the token it ended at.
     prev: Option<(Vec<bf16>, Vec<bf16>, usize)>,
     pooled: Vec<bf16>,
+    /// Pooled rows already handed out by [`Compressor::drain`] and dropped from `pooled`.
+    drained: usize,
     kv: Vec<bf16>,
     gate: Vec<bf16>,
 }
@@ -96,6 +98,7 @@ impl Compressor {
             buf_gate: Vec::new(),
             prev: None,
             pooled: Vec::new(),
+            drained: 0,
             kv: Vec::new(),
             gate: Vec::new(),
         }
@@ -194,6 +197,14 @@ impl Compressor {
             .collect()
     }
 
+    /// Hand out the pooled rows produced since the last drain: `(index of the first, rows)`.
+    fn drain(&mut self) -> (usize, Vec<bf16>) {
+        let start = self.drained;
+        let rows = std::mem::take(&mut self.pooled);
+        self.drained += rows.len() / self.head_dim;
+        (start, rows)
+    }
+
     /// `(buf_kv, buf_gate, pooled)`, as `PoolingCache.state` orders them.
     fn views(&self) -> [ArrayView<'_>; 3] {
         [ArrayView::new(self.out_dim, &self.buf_kv), ArrayView::new(self.out_dim, &self.buf_gate), ArrayView::new(self.head_dim, &self.pooled)]
@@ -263,6 +274,21 @@ impl V4LayerState {
     /// Whether the window sits inside a `CacheList` (compressed layers) or alone (ratio 0).
     pub fn is_cache_list(&self) -> bool {
         self.compressor.is_some()
+    }
+
+    /// Take the pooled rows produced since the last call, per pool (compressor, then indexer):
+    /// `(first row index, width, rows)`. The streaming capture ships pools as these deltas so
+    /// the prefill host never holds a whole prompt's pools; [`Self::block_view`] and
+    /// [`Self::snapshot`] then see only rows not yet drained.
+    pub fn drain_pools(&mut self) -> Vec<(usize, usize, Vec<bf16>)> {
+        self.compressor
+            .iter_mut()
+            .chain(self.indexer.iter_mut())
+            .map(|c| {
+                let (start, rows) = c.drain();
+                (start, c.head_dim, rows)
+            })
+            .collect()
     }
 
     /// What an oMLX block stores for this layer at the current position: a ratio-0 layer's
