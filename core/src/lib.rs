@@ -5,7 +5,9 @@
 //! per-layer cache state, fed chunk by chunk) → segments, wire and the oMLX block writer (later
 //! modules). [`numerics`] holds the MLX arithmetic they all share.
 
+pub mod assembler;
 pub mod block;
+pub mod capture;
 pub mod error;
 pub mod numerics;
 pub mod plan;

@@ -10,11 +10,13 @@ use crate::error::{CoreError, Result};
 use crate::pooler::{ArrayView, V4BlockView};
 
 /// How a layer's arrays are to be read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum LayerKind {
-    /// DeepSeek-V4: `arrays[0]` the window, then `[buf_kv, buf_gate, pooled]` per pool.
-    V4 { offset: u64, sliding_window: u32, ratio: u32 },
+    /// DeepSeek-V4: `arrays[0]` the window, then `[buf_kv, buf_gate, pooled]` per pool, where
+    /// `pooled` holds pool rows from `pool_starts[i]` on (0: the whole pool; a streaming capture
+    /// sends only the rows new since the previous segment).
+    V4 { offset: u64, sliding_window: u32, ratio: u32, pool_starts: Vec<u64> },
     /// A plain KV slice: `arrays = [keys, values]`.
     Kv,
 }
@@ -72,7 +74,7 @@ impl Segment {
                             push(a, &mut shapes);
                         }
                     }
-                    LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32 }
+                    LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32, pool_starts: vec![0; v.pools.len()] }
                 }
                 LayerView::Kv(k, val) => {
                     push(k, &mut shapes);
@@ -85,8 +87,15 @@ impl Segment {
         Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), index, start, end, layers }, arrays }
     }
 
-    /// Borrow the segment as per-layer views for the block writer.
+    /// Borrow the segment as per-layer views for the block writer. A segment that carries pool
+    /// deltas needs the accumulated pools: use [`crate::assembler::Assembler`].
     pub fn views(&self) -> Result<Vec<LayerView<'_>>> {
+        self.views_with(|_, _| None)
+    }
+
+    /// Views where `pool(layer, i)` may supply layer `layer`'s accumulated pool `i` in place of
+    /// the segment's own pooled array.
+    pub fn views_with<'a>(&'a self, pool: impl Fn(usize, usize) -> Option<&'a [bf16]>) -> Result<Vec<LayerView<'a>>> {
         let mut next = self.arrays.iter();
         let mut out = Vec::with_capacity(self.header.layers.len());
         for (i, layer) in self.header.layers.iter().enumerate() {
@@ -97,18 +106,24 @@ impl Segment {
                 }
                 Ok(ArrayView { rows: s.rows as usize, width: s.width as usize, data })
             };
-            out.push(match layer.kind {
-                LayerKind::V4 { offset, sliding_window, ratio } => {
+            out.push(match &layer.kind {
+                &LayerKind::V4 { offset, sliding_window, ratio, ref pool_starts } => {
                     let Some((window, rest)) = layer.arrays.split_first() else {
                         return Err(CoreError::wire(format!("layer {i}: a V4 layer needs a window")));
                     };
-                    if rest.len() % 3 != 0 || (ratio == 0) != rest.is_empty() {
-                        return Err(CoreError::wire(format!("layer {i}: {} pool arrays for ratio {ratio}", rest.len())));
+                    if rest.len() % 3 != 0 || (ratio == 0) != rest.is_empty() || pool_starts.len() != rest.len() / 3 {
+                        return Err(CoreError::wire(format!("layer {i}: {} pool arrays, {} pool starts, ratio {ratio}", rest.len(), pool_starts.len())));
                     }
                     let window = take(window)?;
                     let mut pools = Vec::new();
-                    for p in rest.chunks_exact(3) {
-                        pools.push([take(&p[0])?, take(&p[1])?, take(&p[2])?]);
+                    for (j, p) in rest.chunks_exact(3).enumerate() {
+                        let (kv, gate, own) = (take(&p[0])?, take(&p[1])?, take(&p[2])?);
+                        let pooled = match pool(i, j) {
+                            Some(all) => ArrayView::new(own.width, all),
+                            None if pool_starts[j] == 0 => own,
+                            None => return Err(CoreError::wire(format!("layer {i} pool {j} is a delta from row {}; its earlier rows are unknown", pool_starts[j]))),
+                        };
+                        pools.push([kv, gate, pooled]);
                     }
                     LayerView::V4(V4BlockView { offset: offset as usize, sliding_window: sliding_window as usize, ratio: ratio as usize, window, pools })
                 }

@@ -150,4 +150,12 @@ impl CacheBuilder {
     pub fn layers(&self) -> &[LayerState] {
         &self.layers
     }
+
+    pub fn layer_mut(&mut self, layer: usize) -> Option<&mut LayerState> {
+        self.layers.get_mut(layer)
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.weights.plan.hidden_size()
+    }
 }

@@ -1,0 +1,66 @@
+//! The assembler (decode side): rebuilds each block's full state from a request's stream of
+//! segments. DeepSeek-V4 segments carry only the pool rows new since the previous block; oMLX
+//! blocks carry whole pools, so the assembler accumulates them (checking that every delta starts
+//! where the last one ended) and lends them to the block writer.
+
+use half::bf16;
+
+use crate::block::layout::LayerView;
+use crate::error::{CoreError, Result};
+use crate::segment::{LayerKind, Segment};
+
+#[derive(Default)]
+pub struct Assembler {
+    /// Per layer, per pool: every pooled row received so far.
+    pools: Vec<Vec<Vec<bf16>>>,
+}
+
+impl Assembler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Take in a segment's pool deltas (validated first; nothing changes on error).
+    pub fn absorb(&mut self, seg: &Segment) -> Result<()> {
+        let layers = &seg.header.layers;
+        if self.pools.is_empty() {
+            self.pools = layers.iter().map(|l| match &l.kind {
+                LayerKind::V4 { pool_starts, .. } => vec![Vec::new(); pool_starts.len()],
+                LayerKind::Kv => Vec::new(),
+            }).collect();
+        }
+        if self.pools.len() != layers.len() {
+            return Err(CoreError::wire(format!("segment has {} layers, earlier ones had {}", layers.len(), self.pools.len())));
+        }
+        // Locate each pool delta among the segment's arrays and check continuity.
+        let mut updates = Vec::new();
+        let mut at = 0usize;
+        for (i, l) in layers.iter().enumerate() {
+            if let LayerKind::V4 { pool_starts, .. } = &l.kind {
+                if pool_starts.len() != self.pools[i].len() {
+                    return Err(CoreError::wire(format!("layer {i}: {} pools, earlier segments had {}", pool_starts.len(), self.pools[i].len())));
+                }
+                for (j, &first) in pool_starts.iter().enumerate() {
+                    let shape = l.arrays.get(1 + 3 * j + 2).ok_or_else(|| CoreError::wire(format!("layer {i}: pool {j} missing")))?;
+                    let have = self.pools[i][j].len() / (shape.width.max(1) as usize);
+                    if first as usize != have {
+                        return Err(CoreError::wire(format!("layer {i} pool {j}: delta starts at row {first}, {have} rows received so far")));
+                    }
+                    updates.push((i, j, at + 1 + 3 * j + 2));
+                }
+            }
+            at += l.arrays.len();
+        }
+        for (i, j, k) in updates {
+            let delta = seg.arrays.get(k).ok_or_else(|| CoreError::wire("segment has fewer arrays than its header lists"))?;
+            self.pools[i][j].extend_from_slice(delta);
+        }
+        Ok(())
+    }
+
+    /// The block views of an absorbed segment: its own window, remainders and KV slices, with the
+    /// accumulated pools.
+    pub fn views<'a>(&'a self, seg: &'a Segment) -> Result<Vec<LayerView<'a>>> {
+        seg.views_with(|i, j| self.pools.get(i).and_then(|p| p.get(j)).map(Vec::as_slice))
+    }
+}
