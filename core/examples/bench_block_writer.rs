@@ -58,7 +58,14 @@ fn main() {
     let mut window = Vec::new();
     rng.fill(&mut window, (WINDOW - 1 + block) * HEAD);
     // Per layer: [compressor pooled, indexer pooled] grown block by block.
-    let mut pools: Vec<Vec<Vec<bf16>>> = (0..LAYERS).map(|l| vec![Vec::new(); if ratio(l) == 4 { 2 } else { usize::from(ratio(l) != 0) }]).collect();
+    // Reserved up front so the peak RSS is the state plus the writer, not Vec growth.
+    let mut pools: Vec<Vec<Vec<bf16>>> = (0..LAYERS)
+        .map(|l| match ratio(l) {
+            0 => vec![],
+            4 => vec![Vec::with_capacity(tokens / 4 * HEAD), Vec::with_capacity(tokens / 4 * INDEX_HEAD)],
+            r => vec![Vec::with_capacity(tokens / r * HEAD)],
+        })
+        .collect();
     let model = "/bench/DeepSeek-V4-Flash";
     let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7) % 1000).collect();
     let writer = BlockWriter::new(&out, model, block, &ids).expect("writer");
