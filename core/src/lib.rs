@@ -13,6 +13,7 @@ pub mod numerics;
 pub mod plan;
 pub mod pooler;
 pub mod segment;
+pub mod stream;
 pub mod weights;
 pub mod wire;
 

@@ -16,19 +16,6 @@ use proptest::prelude::*;
 
 use common::{mla_model_dir, random_rows, temp_dir, v4_model_dir, Rng};
 
-fn same_files(a: &std::path::Path, b: &std::path::Path) {
-    let strip = |p: &std::path::Path| {
-        let bytes = std::fs::read(p).unwrap();
-        let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        let mut m = meta.metadata().clone().unwrap();
-        m.remove("created_at");
-        let mut keys: Vec<_> = m.into_iter().collect();
-        keys.sort();
-        (keys, bytes[8 + n..].to_vec())
-    };
-    assert_eq!(strip(a), strip(b), "{} vs {}", a.display(), b.display());
-}
-
 fn run(dir: &std::path::Path, block: usize, prompt: usize, cuts: &[usize], seed: u64) {
     let w = Arc::new(DecoderWeights::load(dir).unwrap());
     let (hidden, layers) = (w.plan.hidden_size(), w.plan.num_layers());
@@ -83,7 +70,7 @@ fn run(dir: &std::path::Path, block: usize, prompt: usize, cuts: &[usize], seed:
                 let views = asm.views(&seg).unwrap();
                 let p = ws.write_views(seg.header.index as usize, &views).unwrap().path;
                 ws.flush().unwrap();
-                same_files(&p, &direct_paths[got]);
+                common::assert_same_block(&p, &direct_paths[got]);
                 got += 1;
             }
             pd_bridge_core::wire::Event::Seal(s) => {

@@ -118,3 +118,33 @@ pub fn mla_model_dir(seed: u64) -> PathBuf {
     Tensors(t).write(&dir.join("model.safetensors"));
     dir
 }
+
+/// Every file under `dir` (recursively).
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Two block files hold the same tensors and metadata, `created_at` aside.
+pub fn assert_same_block(a: &Path, b: &Path) {
+    let strip = |p: &Path| {
+        let bytes = std::fs::read(p).unwrap();
+        let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let mut m: Vec<_> = meta.metadata().clone().unwrap().into_iter().filter(|(k, _)| k != "created_at").collect();
+        m.sort();
+        (m, bytes[8 + n..].to_vec())
+    };
+    assert!(strip(a) == strip(b), "{} and {} differ", a.display(), b.display());
+}

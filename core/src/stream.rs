@@ -1,0 +1,186 @@
+//! Streaming over TCP: the prefill host's segment server and the decode host's ingest.
+//!
+//! The server keeps an [`Outbox`] per request; the capture side pushes segments into it as they
+//! complete and finally a seal. A decode host connects, authenticates for one request id and
+//! receives that request's segments as they arrive — nothing is staged on disk, and a segment
+//! leaves the prefill host's memory once it is sent. [`ingest`] is the decode side: it verifies
+//! every segment, rebuilds the block and writes it, block by block.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::BufWriter;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::assembler::Assembler;
+use crate::block::BlockWriter;
+use crate::error::{CoreError, Result};
+use crate::segment::Segment;
+use crate::wire::{self, Event, Seal, SegmentReader};
+
+#[derive(Default)]
+struct OutboxState {
+    queue: VecDeque<Segment>,
+    seal: Option<Seal>,
+    /// The decode host went away; the capture may stop producing.
+    closed: bool,
+}
+
+/// One request's segments on their way out.
+#[derive(Default)]
+pub struct Outbox {
+    state: Mutex<OutboxState>,
+    ready: Condvar,
+}
+
+impl Outbox {
+    pub fn push(&self, seg: Segment) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !s.closed && s.seal.is_none() {
+            s.queue.push_back(seg);
+            self.ready.notify_all();
+        }
+    }
+
+    pub fn seal(&self, seal: Seal) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.seal.get_or_insert(seal);
+        self.ready.notify_all();
+    }
+
+    /// Whether the receiving side has gone (sent everything, or failed).
+    pub fn is_closed(&self) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).closed
+    }
+
+    /// Next thing to send: a segment, then the seal once the queue is empty.
+    fn next(&self, deadline: Instant) -> Option<std::result::Result<Segment, Seal>> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(seg) = s.queue.pop_front() {
+                return Some(Ok(seg));
+            }
+            if let Some(seal) = &s.seal {
+                return Some(Err(seal.clone()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            s = self.ready.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    fn close(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.closed = true;
+        s.queue.clear();
+    }
+}
+
+type Registry = Arc<Mutex<HashMap<String, Arc<Outbox>>>>;
+
+/// The prefill host's segment server.
+pub struct SegmentServer {
+    addr: SocketAddr,
+    outboxes: Registry,
+}
+
+impl SegmentServer {
+    /// Listen on `addr`; connections must prove `token`. `idle` bounds how long a connection
+    /// waits for the next segment before giving up on a silent capture.
+    pub fn bind(addr: &str, token: Vec<u8>, idle: Duration) -> Result<Self> {
+        if token.is_empty() {
+            return Err(CoreError::config("token", "the shared token must not be empty"));
+        }
+        let listener = TcpListener::bind(addr).map_err(|e| CoreError::wire(format!("cannot listen on {addr}: {e}")))?;
+        let local = listener.local_addr().map_err(|e| CoreError::wire(e.to_string()))?;
+        let outboxes: Registry = Arc::default();
+        let reg = outboxes.clone();
+        let token = Arc::new(token);
+        std::thread::Builder::new()
+            .name("pd-bridge-segments".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    let Ok(stream) = conn else { continue };
+                    let (reg, token) = (reg.clone(), token.clone());
+                    let _ = std::thread::Builder::new().name("pd-bridge-send".into()).spawn(move || serve(stream, &token, &reg, idle));
+                }
+            })
+            .map_err(|e| CoreError::wire(format!("cannot start the segment server: {e}")))?;
+        Ok(SegmentServer { addr: local, outboxes })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The outbox of `request_id`, created on first use.
+    pub fn outbox(&self, request_id: &str) -> Arc<Outbox> {
+        self.outboxes.lock().unwrap_or_else(|p| p.into_inner()).entry(request_id.to_string()).or_default().clone()
+    }
+}
+
+fn serve(mut stream: TcpStream, token: &[u8], reg: &Registry, idle: Duration) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let request_id = match wire::accept(&mut stream, token) {
+        Ok(id) => id,
+        Err(e) => {
+            tracing::warn!(error = %e, "refused a segment stream");
+            return;
+        }
+    };
+    let outbox = reg.lock().unwrap_or_else(|p| p.into_inner()).entry(request_id.clone()).or_default().clone();
+    let mut w = BufWriter::new(stream);
+    let result = (|| -> Result<()> {
+        loop {
+            match outbox.next(Instant::now() + idle) {
+                Some(Ok(seg)) => wire::send_segment(&mut w, &seg)?,
+                Some(Err(seal)) => return wire::send_seal(&mut w, &seal),
+                None => return Err(CoreError::wire(format!("no segment for {idle:?}"))),
+            }
+        }
+    })();
+    if let Err(e) = &result {
+        tracing::warn!(request_id = %request_id, error = %e, "segment stream ended early");
+    }
+    outbox.close();
+    reg.lock().unwrap_or_else(|p| p.into_inner()).remove(&request_id);
+}
+
+/// What an ingest achieved.
+#[derive(Debug)]
+pub struct Ingested {
+    /// Blocks written (and flushed) in chain order, before any failure.
+    pub blocks: usize,
+    /// The prefill host's seal, or why the stream broke.
+    pub outcome: std::result::Result<Seal, CoreError>,
+}
+
+/// Decode side: receive `request_id`'s segments from `addr`, write each block with `writer` as it
+/// arrives (flushed before `on_block(index)` is called), and stop at the seal. A broken stream
+/// keeps every block already written: each is whole and verified.
+pub fn ingest(addr: SocketAddr, token: &[u8], request_id: &str, fingerprint: &str, writer: &BlockWriter, timeout: Duration, mut on_block: impl FnMut(usize)) -> Ingested {
+    let mut blocks = 0usize;
+    let outcome = (|| -> Result<Seal> {
+        let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| CoreError::wire(format!("cannot reach the prefill host at {addr}: {e}")))?;
+        stream.set_read_timeout(Some(timeout)).map_err(|e| CoreError::wire(e.to_string()))?;
+        wire::connect(&mut stream, token, request_id)?;
+        let mut reader = SegmentReader::new(stream, request_id, fingerprint);
+        let mut asm = Assembler::new();
+        loop {
+            match reader.next_event()? {
+                Event::Segment(seg) => {
+                    asm.absorb(&seg)?;
+                    let index = seg.header.index as usize;
+                    writer.write_views(index, &asm.views(&seg)?)?;
+                    writer.flush()?;
+                    blocks += 1;
+                    on_block(index);
+                }
+                Event::Seal(seal) => return Ok(seal),
+            }
+        }
+    })();
+    Ingested { blocks, outcome }
+}

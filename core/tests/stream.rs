@@ -1,0 +1,116 @@
+//! Segments over real loopback TCP: a capture streams while it is fed; the decode side ingests
+//! and writes blocks as they arrive. Wrong tokens and a prefill host that dies mid-stream.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pd_bridge_core::block::validate::{inspect, Expect};
+use pd_bridge_core::block::BlockWriter;
+use pd_bridge_core::capture::Capture;
+use pd_bridge_core::stream::{ingest, SegmentServer};
+use pd_bridge_core::wire::Seal;
+use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, CoreError};
+
+use common::{random_rows, temp_dir, v4_model_dir, Rng};
+
+const BLOCK: usize = 128;
+
+fn setup(prompt: usize) -> (Arc<DecoderWeights>, Vec<Vec<half::bf16>>, Vec<u32>) {
+    let w = Arc::new(DecoderWeights::load(v4_model_dir(41)).unwrap());
+    let mut rng = Rng::new(3);
+    let inputs = (0..w.plan.num_layers()).map(|_| random_rows(&mut rng, prompt, w.plan.hidden_size())).collect();
+    (w, inputs, (0..prompt as u32).collect())
+}
+
+/// Feed the capture in 100-token chunks on another thread, pushing segments as they complete;
+/// stop after `stop_after` tokens without sealing if asked (a dying prefill host).
+fn prefill(server: &SegmentServer, w: Arc<DecoderWeights>, inputs: Vec<Vec<half::bf16>>, prompt: usize, stop_after: Option<usize>) -> std::thread::JoinHandle<()> {
+    let outbox = server.outbox("req");
+    std::thread::spawn(move || {
+        let hidden = w.plan.hidden_size();
+        let mut cap = Capture::new(w.clone(), "req", prompt, BLOCK).unwrap();
+        let mut start = 0;
+        while start < prompt {
+            let end = (start + 100).min(prompt);
+            if stop_after.is_some_and(|s| start >= s) {
+                return;
+            }
+            for (l, x) in inputs.iter().enumerate() {
+                cap.feed(l, start, &x[start * hidden..end * hidden]).unwrap();
+            }
+            for seg in cap.take_ready() {
+                outbox.push(seg);
+            }
+            start = end;
+        }
+        outbox.seal(cap.seal(None));
+    })
+}
+
+#[test]
+fn streamed_blocks_arrive_whole_and_in_order() {
+    let prompt = 5 * BLOCK + 37;
+    let (w, inputs, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(20)).unwrap();
+    let producer = prefill(&server, w.clone(), inputs.clone(), prompt, None);
+    let dir = temp_dir("ingest");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let mut order = Vec::new();
+    let got = ingest(server.local_addr(), b"tok", "req", &w.fingerprint, &writer, Duration::from_secs(20), |i| order.push(i));
+    producer.join().unwrap();
+    assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 5, tokens: 5 * BLOCK as u64 });
+    assert_eq!(order, vec![0, 1, 2, 3, 4]);
+
+    // The same blocks as a direct write from a full cache.
+    let direct = temp_dir("direct");
+    let wd = BlockWriter::new(&direct, "/m", BLOCK, &tokens).unwrap();
+    let mut full = CacheBuilder::new(w.clone(), DecoderSteps::new(BLOCK).unwrap());
+    let hidden = w.plan.hidden_size();
+    for k in 0..5 {
+        for (l, x) in inputs.iter().enumerate() {
+            full.feed(l, k * BLOCK, &x[k * BLOCK * hidden..(k + 1) * BLOCK * hidden]).unwrap();
+        }
+        let a = wd.write(k, full.layers()).unwrap().path;
+        wd.flush().unwrap();
+        let b = pd_bridge_core::block::block_path(&dir, writer.hash(k).unwrap());
+        common::assert_same_block(&a, &b);
+    }
+}
+
+#[test]
+fn wrong_token_gets_nothing() {
+    let prompt = 2 * BLOCK;
+    let (w, inputs, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
+    let producer = prefill(&server, w.clone(), inputs, prompt, None);
+    let dir = temp_dir("wrongtok");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let got = ingest(server.local_addr(), b"nope", "req", &w.fingerprint, &writer, Duration::from_secs(5), |_| {});
+    producer.join().unwrap();
+    assert_eq!(got.blocks, 0);
+    let err = got.outcome.unwrap_err().to_string();
+    assert!(err.contains("unauthorized"), "{err}");
+    assert!(common::files_under(&dir).is_empty());
+}
+
+#[test]
+fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
+    let prompt = 6 * BLOCK;
+    let (w, inputs, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_millis(700)).unwrap();
+    let producer = prefill(&server, w.clone(), inputs, prompt, Some(300));
+    let dir = temp_dir("dying");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let got = ingest(server.local_addr(), b"tok", "req", &w.fingerprint, &writer, Duration::from_secs(10), |_| {});
+    producer.join().unwrap();
+    assert!(matches!(got.outcome, Err(CoreError::Wire(_))), "{:?}", got.outcome);
+    assert_eq!(got.blocks, 2);
+    let files = common::files_under(&dir);
+    assert_eq!(files.len(), 2, "{files:?}");
+    let expect = Expect { model_name: Some("/m".into()), num_layers: Some(3), block_size: Some(BLOCK) };
+    for f in files {
+        inspect(&f, &expect).unwrap();
+    }
+}
