@@ -9,7 +9,6 @@ use std::sync::Arc;
 use pd_bridge_core::assembler::Assembler;
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::segment::Segment;
 use pd_bridge_core::wire::Seal;
 use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights};
 use proptest::prelude::*;
