@@ -44,12 +44,14 @@ ensure_rust() {
   fi
 }
 
-build_wheel() { # crate dir, venv name
-  local crate=$1 venv=$STATE/venv-$2
+build_wheel() { # crate dir, venv names to install it into
+  local crate=$1; shift
   log "building and installing the $crate wheel"
   rm -rf "$STATE/wheels/$crate"
-  "$venv/bin/maturin" build --release --quiet -m "$crate/Cargo.toml" -o "$STATE/wheels/$crate" >&2
-  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+  "$STATE/venv-$1/bin/maturin" build --release --quiet -m "$crate/Cargo.toml" -o "$STATE/wheels/$crate" >&2
+  for v in "$@"; do
+    "$STATE/venv-$v/bin/python" -m pip install -q --force-reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+  done
 }
 
 make_models() {
@@ -68,7 +70,9 @@ setup() {
   make_venv decode "${DECODE_REQS[@]}"
   make_venv prefill "${PREFILL_REQS[@]}"
   build_wheel omlx_patch decode
-  build_wheel vllm_plugin prefill
+  # The decode venv gets the vLLM wheel too: its tests stream from the prefill side's capture
+  # engine to the oMLX side over loopback, with MLX producing the attention inputs.
+  build_wheel vllm_plugin prefill decode
   make_models
 }
 

@@ -167,10 +167,48 @@ fn inspect_block(
     Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
 }
 
+/// Receive `request_id`'s segments from the prefill host at `host:port`, writing each block with
+/// `writer` as it arrives; `on_block(index)` is called once a block is on disk. Returns
+/// `(blocks_written, verdict_json)`; a broken stream raises `PdBridgeError(message, blocks)`
+/// with the count written before it (each of those is whole and valid).
+#[pyfunction]
+#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None))]
+#[allow(clippy::too_many_arguments)]
+fn ingest(
+    py: Python<'_>,
+    host: &str,
+    port: u16,
+    token: Vec<u8>,
+    request_id: &str,
+    fingerprint: &str,
+    writer: &BlockWriter,
+    timeout_seconds: f64,
+    on_block: Option<Py<PyAny>>,
+) -> PyResult<(usize, String)> {
+    use std::net::ToSocketAddrs;
+    let addr = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| PdBridgeError::new_err(format!("cannot resolve {host}:{port}")))?;
+    let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
+    let got = py.detach(|| {
+        pd_bridge_core::stream::ingest(addr, &token, request_id, fingerprint, &writer.inner, timeout, |i| {
+            if let Some(cb) = &on_block {
+                Python::attach(|py| {
+                    if let Err(e) = cb.call1(py, (i,)) {
+                        e.print(py);
+                    }
+                });
+            }
+        })
+    });
+    match got.outcome {
+        Ok(seal) => Ok((got.blocks, serde_json::to_string(&seal).expect("seal serializes"))),
+        Err(e) => Err(PdBridgeError::new_err((format!("after {} blocks: {e}", got.blocks), got.blocks))),
+    }
+}
+
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{inspect_block, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
+    use super::{ingest, inspect_block, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");

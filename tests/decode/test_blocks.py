@@ -185,3 +185,52 @@ print(r["registered"] == [good.stem], len(r["rejected"]) == 1, m.has_block(bytes
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[:3] == ["True", "True", "True"], out.stdout
+
+
+def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
+    """The prefill side's capture engine (pd_bridge_vllm) fed with MLX's attention inputs streams
+    segments over loopback TCP as blocks complete; the oMLX side (pd_bridge_omlx) ingests them
+    into a running oMLX's cache, rescans, and the prompt is served as a hit with the native answer."""
+    import threading
+
+    import parity
+    import pd_bridge_omlx
+    import pd_bridge_vllm
+    import tiny_models
+
+    model_dir = native.root / native.name
+    model = tiny_models.load(model_dir)
+    v4 = model.args.model_type == "deepseek_v4"
+    cap_inputs = parity.mlx_prefill(
+        model, native.ids[: native.n_blocks * native.block_size], native.block_size,
+        parity.v4_classes() if v4 else parity.mla_classes(), parity.v4_expected if v4 else parity.mla_expected,
+    )
+    weights = pd_bridge_vllm.Weights.load(str(model_dir))
+    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"shared-secret")
+    capture = pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, server)
+    verdicts = []
+
+    def prefill():
+        for (start, _end), per_layer in zip(cap_inputs.steps, cap_inputs.inputs):
+            for layer in range(weights.num_layers):
+                capture.feed(layer, start, parity.bf16_bits(per_layer[layer]).tobytes())
+        verdicts.append(capture.seal())
+
+    cache = tmp_path / "cache"
+    with omlx_server.serve(native.root, cache, tmp_path / "home", model=native.name, extra_env=BRIDGE_ENV) as s:
+        producer = threading.Thread(target=prefill)
+        producer.start()
+        writer = pd_bridge_omlx.BlockWriter(str(cache), str(s.model_path), native.block_size, native.ids)
+        arrived = []
+        blocks, verdict = pd_bridge_omlx.ingest(
+            "127.0.0.1", server.port, b"shared-secret", "req-1", pd_bridge_omlx.Weights.load(str(model_dir)).fingerprint,
+            writer, on_block=arrived.append,
+        )
+        producer.join()
+        registered = rescan(s)["registered"]
+        r = omlx_server.complete(s.base_url, s.model, native.text, 8)
+    assert blocks == native.n_blocks and arrived == list(range(native.n_blocks))
+    assert '"verdict":"complete"' in verdict and verdicts and '"complete"' in verdicts[0]
+    assert len(registered) == native.n_blocks
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == native.n_blocks * native.block_size
+    assert r["choices"][0]["text"] == native.answer

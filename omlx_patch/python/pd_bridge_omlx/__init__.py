@@ -19,6 +19,7 @@ from ._native import (  # noqa: F401
     PdBridgeError,
     Weights,
     WeightsError,
+    ingest,
     inspect_block,
 )
 

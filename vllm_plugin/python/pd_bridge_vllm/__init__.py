@@ -10,7 +10,16 @@ from __future__ import annotations
 import logging
 import os
 
-from ._native import VERSION, ConfigError, PdBridgeError, WeightsError, weights_fingerprint  # noqa: F401
+from ._native import (  # noqa: F401
+    VERSION,
+    Capture,
+    ConfigError,
+    PdBridgeError,
+    SegmentServer,
+    Weights,
+    WeightsError,
+    weights_fingerprint,
+)
 
 __version__ = VERSION
 ENV_VAR = "PD_BRIDGE_VLLM"
