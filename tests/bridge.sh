@@ -86,6 +86,7 @@ run_pytest() { # venv name, test dir
   return "$rc"
 }
 
+main() {
 case "${1:-}" in
   main)
     setup
@@ -106,3 +107,7 @@ case "${1:-}" in
     exit 2
     ;;
 esac
+}
+
+# Parsed whole before it runs: editing this file during a run cannot change the run.
+main "$@"
