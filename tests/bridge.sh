@@ -78,7 +78,7 @@ setup() {
 
 run_pytest() { # venv name, test dir
   local rc=0
-  PD_BRIDGE_MODELS=$STATE/models "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
+  PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests in $2: that is a failure here" >&2
     return 1

@@ -53,3 +53,39 @@ def test_fingerprint_error_is_typed(tmp_path):
         assert "hidden_size" in str(e) or "num_hidden_layers" in str(e)
     else:
         raise AssertionError("expected ConfigError")
+
+
+def _python310():
+    import shutil
+
+    for cand in (shutil.which("python3.10"), os.path.expanduser("~/.pyenv/versions/3.10.13/bin/python3.10")):
+        if cand and os.path.exists(cand):
+            try:
+                out = subprocess.run([cand, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True, timeout=30)
+            except OSError:
+                continue
+            if out.returncode == 0 and out.stdout.strip() == "(3, 10)":
+                return cand
+    return None
+
+
+def test_wheel_imports_on_python_310(tmp_path):
+    """vLLM supports Python 3.10, so the abi3 wheel must load there too."""
+    import glob
+
+    import pytest
+
+    py310 = _python310()
+    if py310 is None:
+        pytest.skip("no Python 3.10 interpreter on this machine")
+    wheels = glob.glob(os.path.join(os.environ.get("PD_BRIDGE_WHEELS", ""), "vllm_plugin", "pd_bridge_vllm-*.whl"))
+    if not wheels:
+        pytest.skip("PD_BRIDGE_WHEELS does not point at the built wheels (run via tests/bridge.sh)")
+    venv = tmp_path / "venv310"
+    subprocess.run([py310, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheels[0]], check=True)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sys, pd_bridge_vllm; pd_bridge_vllm.register(); print(sys.version_info[:2], pd_bridge_vllm.__version__)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.startswith("(3, 10)"), out.stdout
