@@ -26,6 +26,11 @@ struct OutboxState {
     closed: bool,
 }
 
+/// Segments an outbox holds for a decode host that is not reading; past this the request's
+/// stream is given up (the decode host will see a broken stream and fall back) rather than
+/// letting prefill-host memory grow with the prompt.
+pub const MAX_QUEUED: usize = 64;
+
 /// One request's segments on their way out.
 #[derive(Default)]
 pub struct Outbox {
@@ -34,12 +39,22 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    pub fn push(&self, seg: Segment) {
+    /// Queue a segment; false when the stream is closed (receiver gone, or too far behind).
+    pub fn push(&self, seg: Segment) -> bool {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if !s.closed && s.seal.is_none() {
-            s.queue.push_back(seg);
-            self.ready.notify_all();
+        if s.closed || s.seal.is_some() {
+            return false;
         }
+        if s.queue.len() >= MAX_QUEUED {
+            tracing::warn!(request_id = %seg.header.request_id, queued = s.queue.len(), "decode host is not reading; dropping the segment stream");
+            s.closed = true;
+            s.queue.clear();
+            self.ready.notify_all();
+            return false;
+        }
+        s.queue.push_back(seg);
+        self.ready.notify_all();
+        true
     }
 
     pub fn seal(&self, seal: Seal) {
@@ -53,10 +68,14 @@ impl Outbox {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).closed
     }
 
-    /// Next thing to send: a segment, then the seal once the queue is empty.
+    /// Next thing to send: a segment, then the seal once the queue is empty; None when the
+    /// deadline passes or the stream was given up.
     fn next(&self, deadline: Instant) -> Option<std::result::Result<Segment, Seal>> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
+            if s.closed {
+                return None;
+            }
             if let Some(seg) = s.queue.pop_front() {
                 return Some(Ok(seg));
             }

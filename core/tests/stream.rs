@@ -114,3 +114,20 @@ fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
         inspect(&f, &expect).unwrap();
     }
 }
+
+#[test]
+fn an_unread_outbox_is_bounded() {
+    let prompt = 2 * BLOCK;
+    let (w, inputs, _) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
+    let outbox = server.outbox("nobody-reads");
+    let hidden = w.plan.hidden_size();
+    let mut cap = Capture::new(w.clone(), "nobody-reads", prompt, BLOCK).unwrap();
+    for (l, x) in inputs.iter().enumerate() {
+        cap.feed(l, 0, &x[..BLOCK * hidden]).unwrap();
+    }
+    let seg = cap.take_ready().pop().unwrap();
+    let accepted = (0..pd_bridge_core::stream::MAX_QUEUED + 5).filter(|_| outbox.push(seg.clone())).count();
+    assert_eq!(accepted, pd_bridge_core::stream::MAX_QUEUED);
+    assert!(outbox.is_closed());
+}
