@@ -95,7 +95,8 @@ setup() {
   make_venv decode "${DECODE_REQS[@]}"
   make_venv prefill "${PREFILL_REQS[@]}"
   install_vllm
-  build_wheel omlx_patch decode
+  # The prefill venv gets the oMLX wheel too: its engine tests pull segments end to end.
+  build_wheel omlx_patch decode prefill
   # The decode venv gets the vLLM wheel too: its tests stream from the prefill side's capture
   # engine to the oMLX side over loopback, with MLX producing the attention inputs.
   build_wheel vllm_plugin prefill decode

@@ -34,11 +34,19 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; idempotent, import-light, never initialises CUDA."""
+    """vLLM general-plugin entry point; idempotent, import-light, never initialises CUDA.
+
+    With ``PD_BRIDGE_VLLM=1`` it installs the model tap (``tap.py``) in this vLLM process; the
+    capture itself is driven by the KV connector ``pd_bridge_vllm.connector.PdBridgeConnector``,
+    which the user names in ``--kv-transfer-config``. Without the variable it does nothing.
+    """
     global _registered
     if _registered or not enabled():
         return
     _registered = True
-    # The KV connector and the model tap arrive with the capture engine; until then an enabled
-    # plugin says so instead of pretending to capture.
-    logger.warning("pd-bridge-vllm %s: %s is set, but this build has no capture engine yet; vLLM runs unchanged", VERSION, ENV_VAR)
+    from . import tap  # imports vLLM's DeepSeek-V2/V3 model module; only when switched on
+
+    try:
+        tap.install()
+    except Exception as e:  # an unsupported vLLM: say so, never break vLLM's start
+        logger.error("pd-bridge-vllm %s: %s is set, but the model tap cannot be installed: %s; vLLM runs without captures", VERSION, ENV_VAR, e)

