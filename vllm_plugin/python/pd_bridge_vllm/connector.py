@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -228,15 +229,17 @@ class PdBridgeConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._server = None
         self._weights = None
-        rank = 0
+        rank, world = 0, 1
         try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-            rank = get_tensor_model_parallel_rank()
+            rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         except Exception:
             pass
-        self._active = rank == 0  # MLA's latent is replicated over TP ranks: rank 0 streams
+        # The attention input (MLA and V4 alike) is replicated over TP ranks: rank 0 streams.
+        self._active = rank == 0
         if not self._active:
+            logger.info("pd-bridge: TP rank %d of %d: inactive (TP rank 0 captures; the attention input is replicated over TP ranks)", rank, world)
             return
         weights_dir = _setting(extra, "weights", "PD_BRIDGE_VLLM_WEIGHTS")
         port = _setting(extra, "port", "PD_BRIDGE_VLLM_PORT")
@@ -251,7 +254,7 @@ class PdBridgeConnector(KVConnectorBase_V1):
         self._weights = Weights.load(str(weights_dir))
         tok = token.encode() if isinstance(token, str) else bytes(token)
         self._server = SegmentServer(f"{address}:{int(port)}", tok)
-        self._tap_ok = tap.installed()
+        self._tap_ok = tap.installed() or tap.v4_installed()
         tap.set_sink(self)
         logger.info(
             "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s:%d; model tap %s",
@@ -373,6 +376,7 @@ class PdBridgeConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if self._role != KVConnectorRole.WORKER or not self._active or not isinstance(meta, PdBridgeConnectorMetadata):
             return
+        self._step_end = time.perf_counter()  # the step's forward (every layer) has run
         for ch in meta.chunks:
             wc = self._captures.get(ch.req_id)
             if wc is None or wc.sealed is not None:
@@ -382,12 +386,13 @@ class PdBridgeConnector(KVConnectorBase_V1):
                 missing = sorted(set(range(self._weights.num_layers)) - fed)
                 wc.failure = (
                     f"the model tap saw no attention input for layers {missing} "
-                    + ("" if tap.installed() else "(tap not installed: set PD_BRIDGE_VLLM=1 in vLLM's environment)")
+                    + ("" if tap.installed() or tap.v4_installed() else "(tap not installed: set PD_BRIDGE_VLLM=1 in vLLM's environment)")
                 )
             if self._dump_dir:
                 self._dump_latent(ch)
             if ch.is_last or wc.failure is not None:
                 self._seal(ch.req_id, wc, wc.failure)
+        self._step_end = None
 
     def _seal(self, req_id: str, wc: _WorkerCapture, failure: str | None) -> None:
         if wc.sealed is not None:
@@ -397,8 +402,11 @@ class PdBridgeConnector(KVConnectorBase_V1):
         else:
             verdict = wc.capture.seal(failure)
         wc.sealed = verdict
+        t0 = getattr(self, "_step_end", None)
+        # From wait_for_save's entry (end of the step that ran the last prompt chunk) to sealed.
+        after = f" ({(time.perf_counter() - t0) * 1e3:.3f} ms after the step's forward)" if t0 is not None else ""
         log = logger.info if failure is None else logger.warning
-        log("pd-bridge: capture %s (request %s) sealed: %s", wc.spec.request_id, req_id, verdict)
+        log("pd-bridge: capture %s (request %s) sealed: %s%s", wc.spec.request_id, req_id, verdict, after)
         if self._dump_dir:
             self._dump(f"{wc.spec.request_id}.verdict.json", verdict.encode(), append=True)
 

