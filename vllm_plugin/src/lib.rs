@@ -115,6 +115,26 @@ impl Capture {
         .map_err(to_py)
     }
 
+    /// Fold attention input read straight from host memory: `data_ptr` points at `nbytes` of
+    /// contiguous little-endian bf16, `[rows, hidden]` (a CPU torch tensor's `data_ptr()`). The
+    /// caller keeps that memory alive and unmodified for the duration of the call.
+    fn feed_ptr(&mut self, py: Python<'_>, layer: usize, start: usize, data_ptr: usize, nbytes: usize) -> PyResult<()> {
+        if data_ptr == 0 || data_ptr % std::mem::align_of::<bf16>() != 0 || nbytes % 2 != 0 {
+            return Err(PdBridgeError::new_err(format!("feed_ptr: {nbytes} bytes at {data_ptr:#x} is not an aligned bf16 buffer")));
+        }
+        // SAFETY: the caller guarantees `nbytes` readable bytes at `data_ptr` for this call; bf16
+        // is a plain 2-byte value and the host is little-endian like the wire format.
+        let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
+        let (inner, outbox) = (&mut self.inner, &self.outbox);
+        // The buffer is the caller's, so the GIL stays held while it is read.
+        let _ = py;
+        inner.feed(layer, start, x).map_err(to_py)?;
+        for seg in inner.take_ready() {
+            outbox.push(seg);
+        }
+        Ok(())
+    }
+
     /// Seal the capture (`failure`: why it stopped early, if it did); returns the verdict JSON.
     #[pyo3(signature = (failure=None))]
     fn seal(&mut self, failure: Option<&str>) -> String {

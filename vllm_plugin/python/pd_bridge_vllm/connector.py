@@ -62,6 +62,25 @@ class CaptureSpecError(ValueError):
     pass
 
 
+class UnsupportedEngineSettings(ValueError):
+    """vLLM settings under which a capture could not be complete; refused at engine start."""
+
+
+def check_engine_settings(vllm_config) -> None:
+    """Refuse, at start, settings that would make captures incomplete.
+
+    Prefix caching lets vLLM skip prefilling a prompt's cached prefix, so the tap would never see
+    those tokens' attention input and the decoder's cache could not be built from them.
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None and getattr(cache, "enable_prefix_caching", False):
+        raise UnsupportedEngineSettings(
+            "pd-bridge: prefix caching is on, so vLLM may skip prefilling a cached prefix whose "
+            "attention input the decoder's cache needs; start vLLM with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False) to use PdBridgeConnector"
+        )
+
+
 @dataclass(frozen=True)
 class CaptureSpec:
     request_id: str  # the capture's id on the wire (the decode host asks for it)
@@ -140,6 +159,7 @@ def _setting(extra: dict, key: str, env: str, default=None):
 
 class PdBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
+        check_engine_settings(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._kv_block_size = vllm_config.cache_config.block_size
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
@@ -317,12 +337,15 @@ class PdBridgeConnector(KVConnectorBase_V1):
                 done = wc.fed.get(layer, 0)
                 skip = max(0, done - ch.start)  # rows already fed (a recompute after preemption)
                 if skip < ch.num_tokens:
-                    x = hidden_states[row + skip : row + ch.num_tokens]
-                    data = x.to(torch.bfloat16).contiguous().cpu().view(torch.uint16).numpy().tobytes()
-                    wc.capture.feed(layer, ch.start + skip, data)
+                    # A plain descriptor for the core: pointer and length of contiguous bf16 rows
+                    # in host memory (the GPU path, issue 5, reads device memory instead).
+                    x = hidden_states[row + skip : row + ch.num_tokens].to(torch.bfloat16).contiguous()
+                    if x.device.type != "cpu":
+                        x = x.cpu()
+                    wc.capture.feed_ptr(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size())
                     wc.fed[layer] = ch.start + ch.num_tokens
                     if self._dump_dir:
-                        self._dump(f"{wc.spec.request_id}.L{layer}.S{ch.start + skip}.in.bin", data)
+                        self._dump(f"{wc.spec.request_id}.L{layer}.S{ch.start + skip}.in.bin", x.view(torch.uint16).numpy().tobytes())
                 self._step_fed.setdefault(ch.req_id, set()).add(layer)
             except Exception as e:
                 wc.failure = f"layer {layer}: {type(e).__name__}: {e}"

@@ -1,0 +1,42 @@
+"""Start-time refusal of engine settings that would make captures incomplete, and the pointer
+descriptor path into the native capture."""
+
+import json
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv")
+
+
+def test_prefix_caching_is_refused_at_start():
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig
+
+    from pd_bridge_vllm.connector import UnsupportedEngineSettings, check_engine_settings
+
+    with pytest.raises(UnsupportedEngineSettings, match="--no-enable-prefix-caching"):
+        check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=True)))
+    check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=False)))
+
+
+def test_feed_ptr_equals_feed_bytes(tmp_path):
+    """A CPU torch tensor handed over as (data_ptr, nbytes) gives the same capture as its bytes."""
+    import torch
+
+    import tiny_mla_hf
+    from pd_bridge_vllm import Capture, SegmentServer, Weights
+
+    _hf_dir, mlx_dir = tiny_mla_hf.build(tmp_path)
+    w = Weights.load(str(mlx_dir))
+    server = SegmentServer("127.0.0.1:0", b"t")
+    torch.manual_seed(0)
+    x = torch.randn(600, w.hidden_size).to(torch.bfloat16)
+    a = Capture(w, "a", 600, 256, server)
+    b = Capture(w, "b", 600, 256, server)
+    for layer in range(w.num_layers):
+        a.feed(layer, 0, x.view(torch.uint16).numpy().tobytes())
+        b.feed_ptr(layer, 0, x.data_ptr(), x.numel() * x.element_size())
+    assert json.loads(a.seal()) == json.loads(b.seal()) == {"verdict": "complete", "blocks": 2, "tokens": 512}
+    with pytest.raises(Exception, match="aligned bf16"):
+        Capture(w, "c", 600, 256, server).feed_ptr(0, 0, x.data_ptr() + 1, 10)
