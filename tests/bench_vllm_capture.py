@@ -57,6 +57,7 @@ def _driver(work: Path) -> None:
         max_model_len=max(spec["lengths"]) + 64,
         max_num_seqs=4,
         enforce_eager=True,
+        enable_prefix_caching=False,  # PdBridgeConnector refuses prefix caching (it skips prompt tokens)
         kv_transfer_config=KVTransferConfig(
             kv_connector="PdBridgeConnector",
             kv_connector_module_path="pd_bridge_vllm.connector",

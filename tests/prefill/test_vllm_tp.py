@@ -48,6 +48,7 @@ def _driver(work: Path) -> None:
         max_model_len=2048,
         max_num_seqs=4,
         enforce_eager=True,
+        enable_prefix_caching=False,  # PdBridgeConnector refuses prefix caching (it skips prompt tokens)
         tensor_parallel_size=spec["tp"],
         distributed_executor_backend="mp",
         kv_transfer_config=KVTransferConfig(
