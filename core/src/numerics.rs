@@ -91,6 +91,8 @@ pub fn rms_norm_rows(x: &mut [bf16], dim: usize, weight: &[bf16], eps: f32) {
 /// fused multiply-adds). It differs from a correctly rounded exp in the last bits, and softmax
 /// weights inherit that, so the pooling must use this one.
 #[inline]
+// MLX's own constants, digit for digit (its log2(e) is rounded, not `f32::consts::LOG2_E`).
+#[allow(clippy::approx_constant, clippy::excessive_precision)]
 pub fn mlx_exp(x: f32) -> f32 {
     if x.is_nan() {
         return x;

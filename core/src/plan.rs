@@ -205,7 +205,7 @@ fn rope_scaling(obj: &Map<String, Value>) -> Result<Option<Yarn>> {
                 mscale: num("mscale", Some(1.0))?,
                 mscale_all_dim: num("mscale_all_dim", Some(0.0))?,
             };
-            if !(y.factor > 0.0) {
+            if y.factor.is_nan() || y.factor <= 0.0 {
                 return Err(CoreError::config("rope_scaling.factor", format!("{} must be positive", y.factor)));
             }
             Ok(Some(y))
