@@ -57,26 +57,13 @@ def _driver(work: Path) -> None:
     spec = json.loads((work / "spec.json").read_text())
     if spec["omlx_path"]:
         sys.path.insert(0, spec["omlx_path"])
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
+
+    import tiny_mla_hf
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
-    llm = LLM(
-        model=spec["hf_dir"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=8,
-        enforce_eager=True,
-        enable_prefix_caching=False,  # PdBridgeConnector refuses prefix caching (it skips prompt tokens)
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="PdBridgeConnector",
-            kv_connector_module_path="pd_bridge_vllm.connector",
-            kv_role="kv_producer",
-            kv_connector_extra_config={"weights": spec["mlx_dir"], "port": spec["port"], "token": TOKEN, "address": "127.0.0.1"},
-        ),
-    )
+    llm = tiny_mla_hf.captured_llm(spec["hf_dir"], spec["mlx_dir"], spec["port"], TOKEN, max_model_len=4096, max_num_seqs=8)
     t_engine = time.monotonic() - t0
 
     def req(ids, params=None, max_tokens=1):

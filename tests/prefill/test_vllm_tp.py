@@ -36,28 +36,13 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _driver(work: Path) -> None:
     spec = json.loads((work / "spec.json").read_text())
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
+
+    import tiny_mla_hf
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
-    llm = LLM(
-        model=spec["hf_dir"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=4,
-        enforce_eager=True,
-        enable_prefix_caching=False,  # PdBridgeConnector refuses prefix caching (it skips prompt tokens)
-        tensor_parallel_size=spec["tp"],
-        distributed_executor_backend="mp",
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="PdBridgeConnector",
-            kv_connector_module_path="pd_bridge_vllm.connector",
-            kv_role="kv_producer",
-            kv_connector_extra_config={"weights": spec["mlx_dir"], "port": spec["port"], "token": TOKEN, "address": "127.0.0.1"},
-        ),
-    )
+    llm = tiny_mla_hf.captured_llm(spec["hf_dir"], spec["mlx_dir"], spec["port"], TOKEN, max_model_len=2048, max_num_seqs=4, tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     t_engine = time.monotonic() - t0
     ids = _prompt(PROMPT_LEN, 5)
 

@@ -99,5 +99,47 @@ def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
     return hf_dir, mlx_dir
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """Deterministic token ids that avoid the special ids 0 and 1."""
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(2, 1000) for _ in range(n)]
+
+
+def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
+    """A vLLM engine for the tiny model with PdBridgeConnector serving segments on ``port``.
+
+    Prefix caching is off (the connector refuses it: it skips prompt tokens) and the engine is
+    eager (the taps are Python); ``engine`` adds or overrides ``LLM`` arguments.
+    """
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args = dict(
+        model=hf_dir,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PdBridgeConnector",
+            kv_connector_module_path="pd_bridge_vllm.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"weights": mlx_dir, "port": port, "token": token, "address": "127.0.0.1"},
+        ),
+    )
+    args.update(engine)
+    return LLM(**args)
+
+
 if __name__ == "__main__":
     print(build(Path(sys.argv[1])))
