@@ -122,17 +122,20 @@ impl Capture {
         if data_ptr == 0 || data_ptr % std::mem::align_of::<bf16>() != 0 || nbytes % 2 != 0 {
             return Err(PdBridgeError::new_err(format!("feed_ptr: {nbytes} bytes at {data_ptr:#x} is not an aligned bf16 buffer")));
         }
-        // SAFETY: the caller guarantees `nbytes` readable bytes at `data_ptr` for this call; bf16
-        // is a plain 2-byte value and the host is little-endian like the wire format.
-        let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
         let (inner, outbox) = (&mut self.inner, &self.outbox);
-        // The buffer is the caller's, so the GIL stays held while it is read.
-        let _ = py;
-        inner.feed(layer, start, x).map_err(to_py)?;
-        for seg in inner.take_ready() {
-            outbox.push(seg);
-        }
-        Ok(())
+        // The GIL is released for the pooling math; the caller's frame still holds the tensor,
+        // so its memory stays alive and unmoved for the call.
+        py.detach(|| {
+            // SAFETY: the caller guarantees `nbytes` readable bytes at `data_ptr` for this call;
+            // bf16 is a plain 2-byte value and the host is little-endian like the wire format.
+            let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
+            inner.feed(layer, start, x)?;
+            for seg in inner.take_ready() {
+                outbox.push(seg);
+            }
+            Ok(())
+        })
+        .map_err(to_py)
     }
 
     /// Seal the capture (`failure`: why it stopped early, if it did); returns the verdict JSON.
