@@ -86,7 +86,11 @@ impl Outbox {
             if now >= deadline {
                 return None;
             }
-            s = self.ready.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            s = self
+                .ready
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -110,10 +114,16 @@ impl SegmentServer {
     /// waits for the next segment before giving up on a silent capture.
     pub fn bind(addr: &str, token: Vec<u8>, idle: Duration) -> Result<Self> {
         if token.is_empty() {
-            return Err(CoreError::config("token", "the shared token must not be empty"));
+            return Err(CoreError::config(
+                "token",
+                "the shared token must not be empty",
+            ));
         }
-        let listener = TcpListener::bind(addr).map_err(|e| CoreError::wire(format!("cannot listen on {addr}: {e}")))?;
-        let local = listener.local_addr().map_err(|e| CoreError::wire(e.to_string()))?;
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| CoreError::wire(format!("cannot listen on {addr}: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| CoreError::wire(e.to_string()))?;
         let outboxes: Registry = Arc::default();
         let reg = outboxes.clone();
         let token = Arc::new(token);
@@ -123,11 +133,16 @@ impl SegmentServer {
                 for conn in listener.incoming() {
                     let Ok(stream) = conn else { continue };
                     let (reg, token) = (reg.clone(), token.clone());
-                    let _ = std::thread::Builder::new().name("pd-bridge-send".into()).spawn(move || serve(stream, &token, &reg, idle));
+                    let _ = std::thread::Builder::new()
+                        .name("pd-bridge-send".into())
+                        .spawn(move || serve(stream, &token, &reg, idle));
                 }
             })
             .map_err(|e| CoreError::wire(format!("cannot start the segment server: {e}")))?;
-        Ok(SegmentServer { addr: local, outboxes })
+        Ok(SegmentServer {
+            addr: local,
+            outboxes,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -136,7 +151,12 @@ impl SegmentServer {
 
     /// The outbox of `request_id`, created on first use.
     pub fn outbox(&self, request_id: &str) -> Arc<Outbox> {
-        self.outboxes.lock().unwrap_or_else(|p| p.into_inner()).entry(request_id.to_string()).or_default().clone()
+        self.outboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(request_id.to_string())
+            .or_default()
+            .clone()
     }
 }
 
@@ -149,7 +169,12 @@ fn serve(mut stream: TcpStream, token: &[u8], reg: &Registry, idle: Duration) {
             return;
         }
     };
-    let outbox = reg.lock().unwrap_or_else(|p| p.into_inner()).entry(request_id.clone()).or_default().clone();
+    let outbox = reg
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(request_id.clone())
+        .or_default()
+        .clone();
     let mut w = BufWriter::new(stream);
     let result = (|| -> Result<()> {
         loop {
@@ -164,7 +189,9 @@ fn serve(mut stream: TcpStream, token: &[u8], reg: &Registry, idle: Duration) {
         tracing::warn!(request_id = %request_id, error = %e, "segment stream ended early");
     }
     outbox.close();
-    reg.lock().unwrap_or_else(|p| p.into_inner()).remove(&request_id);
+    reg.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&request_id);
 }
 
 /// What an ingest achieved.
@@ -176,20 +203,88 @@ pub struct Ingested {
     pub outcome: std::result::Result<Seal, CoreError>,
 }
 
+/// Lets another thread stop an [`ingest`]: the decode host gives up on a prefill (its HTTP request
+/// failed, the client went away) without waiting for the stream to time out.
+#[derive(Default)]
+pub struct IngestControl {
+    cancelled: std::sync::atomic::AtomicBool,
+    stream: Mutex<Option<TcpStream>>,
+}
+
+impl IngestControl {
+    /// Stop the ingest: a blocked read returns at once; blocks already written stay (each is
+    /// whole and verified); nothing more is written.
+    pub fn cancel(&self) {
+        self.cancelled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(s) = self
+            .stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn attach(&self, stream: &TcpStream) -> Result<()> {
+        let clone = stream
+            .try_clone()
+            .map_err(|e| CoreError::wire(e.to_string()))?;
+        *self.stream.lock().unwrap_or_else(|p| p.into_inner()) = Some(clone);
+        self.check()
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.is_cancelled() {
+            return Err(CoreError::wire("cancelled by the decode host"));
+        }
+        Ok(())
+    }
+}
+
 /// Decode side: receive `request_id`'s segments from `addr`, write each block with `writer` as it
 /// arrives (flushed before `on_block(index)` is called), and stop at the seal. A broken stream
 /// keeps every block already written: each is whole and verified.
-pub fn ingest(addr: SocketAddr, token: &[u8], request_id: &str, fingerprint: &str, writer: &BlockWriter, timeout: Duration, mut on_block: impl FnMut(usize)) -> Ingested {
+#[allow(clippy::too_many_arguments)]
+pub fn ingest(
+    addr: SocketAddr,
+    token: &[u8],
+    request_id: &str,
+    fingerprint: &str,
+    writer: &BlockWriter,
+    timeout: Duration,
+    control: &IngestControl,
+    mut on_block: impl FnMut(usize),
+) -> Ingested {
     let mut blocks = 0usize;
     let outcome = (|| -> Result<Seal> {
-        let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| CoreError::wire(format!("cannot reach the prefill host at {addr}: {e}")))?;
-        stream.set_read_timeout(Some(timeout)).map_err(|e| CoreError::wire(e.to_string()))?;
+        control.check()?;
+        let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
+            CoreError::wire(format!("cannot reach the prefill host at {addr}: {e}"))
+        })?;
+        control.attach(&stream)?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|e| CoreError::wire(e.to_string()))?;
         wire::connect(&mut stream, token, request_id)?;
         let mut reader = SegmentReader::new(stream, request_id, fingerprint);
         let mut asm = Assembler::new();
         loop {
-            match reader.next_event()? {
+            let event = reader.next_event().map_err(|e| {
+                if control.is_cancelled() {
+                    CoreError::wire("cancelled by the decode host")
+                } else {
+                    e
+                }
+            })?;
+            match event {
                 Event::Segment(seg) => {
+                    control.check()?;
                     asm.absorb(&seg)?;
                     let index = seg.header.index as usize;
                     writer.write_views(index, &asm.views(&seg)?)?;

@@ -15,10 +15,12 @@ from ._native import (  # noqa: F401
     BlockWriter,
     CacheBuilder,
     ConfigError,
+    IngestControl,
     InputError,
     PdBridgeError,
     Weights,
     WeightsError,
+    export_weights,
     ingest,
     inspect_block,
 )

@@ -16,6 +16,7 @@ from . import enabled
 
 _HOOKS = {
     "omlx.cache.paged_ssd_cache": "install_cache_guard",
+    "omlx.engine_core": "install_bridge",
     "omlx.server": "install_routes",
 }
 

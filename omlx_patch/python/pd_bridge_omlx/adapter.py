@@ -1,13 +1,16 @@
 """Runtime adapter for oMLX: block validation at index time and a rescan route.
 
 oMLX builds its prefix-cache index once, when a model loads, and trusts every file it finds.
-This adapter (active only with ``PD_BRIDGE_OMLX=1``) makes two changes through oMLX's own
+This adapter (active only with ``PD_BRIDGE_OMLX=1``) makes these changes through oMLX's own
 objects, without touching its files:
 
 - every block file is validated by the Rust core before oMLX may index it; a file that fails
   is logged with the reason and never served;
+- ``EngineCore.add_request`` first runs the bridge (``bridge.py``): a cold long prompt is
+  prefilled on the vLLM host and its blocks registered before oMLX looks for a prefix hit;
+- every generation response carries ``X-PD-Bridge`` with the verdict (``middleware.py``);
 - ``POST /pd-bridge/v1/rescan {"model": ID}`` indexes block files that appeared since the model
-  loaded (the bridge's writer puts them there), validated against that model.
+  loaded, validated against that model; ``GET /pd-bridge/v1/status`` shows the counters.
 
 ``patches/omlx-0.7.0-cache-rescan.patch`` proposes the same as a small public API upstream.
 """
@@ -25,7 +28,7 @@ logger = logging.getLogger("pd_bridge_omlx")
 SUPPORTED_OMLX = ("0.7.0",)
 
 _lock = threading.Lock()
-_installed = {"cache": False, "server": False}
+_installed = {"cache": False, "server": False, "engine": False}
 
 
 class UnsupportedOmlxError(RuntimeError):
@@ -66,6 +69,57 @@ def install_cache_guard() -> None:
         PagedSSDCacheManager._read_file_metadata = guarded
         _installed["cache"] = True
         logger.info("pd-bridge: block validation active for oMLX %s", check_version())
+
+
+def install_bridge() -> None:
+    """Run the bridge in ``EngineCore.add_request``, before the scheduler looks up the cache."""
+    with _lock:
+        if _installed["engine"]:
+            return
+        check_version()
+        import inspect
+        import uuid
+
+        from omlx.engine_core import EngineCore
+
+        from .bridge import get_bridge, record
+        from .verdict import Verdict, current_slot
+
+        original = EngineCore.add_request
+        signature = inspect.signature(original)
+
+        async def add_request(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            if bound.arguments.get("request_id") is None:
+                bound.arguments["request_id"] = str(uuid.uuid4())
+            request_id = bound.arguments["request_id"]
+            prompt = bound.arguments.get("prompt")
+            multimodal = any(bound.arguments.get(k) is not None for k in ("images", "videos", "vlm_inputs_embeds"))
+            slot = current_slot.get()
+            if slot is not None:
+                slot.begin()
+            bridge = get_bridge()
+            verdict, nbytes = Verdict("native", "bridge did not run", request_id=request_id), 0
+            try:
+                verdict, nbytes = await bridge.prepare(self, prompt, request_id, multimodal)
+            except Exception as e:  # never let the bridge fail a request
+                logger.exception("pd-bridge[%s]: bridge error", request_id)
+                verdict = Verdict("native", f"bridge error: {e}", request_id=request_id)
+            try:
+                rid = await original(*bound.args, **bound.kwargs)
+                verdict = bridge.confirm(self, rid, verdict)
+                return rid
+            finally:
+                if verdict.kind == "native":
+                    logger.info("pd-bridge[%s]: %s", request_id, verdict.header())
+                record(verdict, nbytes)
+                if slot is not None:
+                    slot.set(verdict)
+
+        add_request.__wrapped__ = original
+        EngineCore.add_request = add_request
+        _installed["engine"] = True
+        logger.info("pd-bridge: decode-side bridge active (%s)", get_bridge().describe())
 
 
 def rescan(manager, model_name: str | None = None, block_size: int | None = None) -> dict:
@@ -134,5 +188,15 @@ def install_routes() -> None:
                 raise HTTPException(status_code=409, detail=f"model {model_id!r} has no SSD prefix cache (start oMLX with --paged-ssd-cache-dir)")
             return rescan(manager, model_name=str(entry.model_path), block_size=scheduler.config.paged_cache_block_size)
 
+        def status_route():
+            from .bridge import get_bridge
+            from .counters import COUNTERS
+
+            return {"bridge": get_bridge().describe(), "counters": COUNTERS.snapshot()}
+
+        from .middleware import VerdictMiddleware
+
         app.add_api_route("/pd-bridge/v1/rescan", rescan_route, methods=["POST"])
+        app.add_api_route("/pd-bridge/v1/status", status_route, methods=["GET"])
+        app.add_middleware(VerdictMiddleware)
         _installed["server"] = True

@@ -1,0 +1,318 @@
+"""The decode-side bridge: decide, ask the prefill host, ingest, register, continue.
+
+Runs inside oMLX, in its engine's ``add_request``: the point where the prompt is final and the
+scheduler has not looked at the prefix cache yet. For a cold long prompt it asks vLLM to prefill
+the token ids (``/v1/completions``, ``max_tokens: 1``, the capture named in
+``kv_transfer_params``), pulls the segment stream, writes each block through the Rust writer and
+registers it with oMLX's index as it lands, then lets oMLX continue: the scheduler finds the
+prefix hit and prefills only the sub-block tail. Every failure leaves oMLX serving natively,
+with whatever whole blocks did arrive, and a verdict that says what happened.
+
+All slow work (tokenizing, fingerprinting, HTTP, the stream) runs on the bridge's own threads;
+oMLX's event loop keeps serving other requests meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from . import config as config_mod
+from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest, inspect_block
+from .counters import COUNTERS
+from .verdict import Verdict, native
+
+logger = logging.getLogger("pd_bridge_omlx")
+
+# After vLLM answers (or fails), how long the stream may take to deliver what remains.
+_GRACE_AFTER_HTTP_FAILURE_S = 2.0
+
+
+class PrefillUnavailable(RuntimeError):
+    pass
+
+
+def _http(url: str, body: dict | None, timeout: float) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:300]
+        raise PrefillUnavailable(f"{url} answered HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise PrefillUnavailable(f"{url} is unreachable: {reason}") from None
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise PrefillUnavailable(f"{url} answered something that is not JSON: {raw[:200]!r}") from None
+
+
+class PrefillHost:
+    """vLLM's OpenAI server on the prefill host."""
+
+    def __init__(self, cfg: config_mod.BridgeConfig):
+        self.cfg = cfg
+        self._model = cfg.prefill_model
+
+    def check_health(self) -> None:
+        _http(f"{self.cfg.prefill_url}/health", None, timeout=3.0)
+
+    def model(self) -> str:
+        if self._model is None:
+            models = _http(f"{self.cfg.prefill_url}/v1/models", None, timeout=5.0).get("data") or []
+            if not models:
+                raise PrefillUnavailable(f"{self.cfg.prefill_url}/v1/models lists no model")
+            self._model = models[0]["id"]
+        return self._model
+
+    def prefill(self, token_ids: list[int], capture: dict, timeout: float) -> dict:
+        body = {
+            "model": self.model(),
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "kv_transfer_params": {"pd_capture": capture},
+        }
+        return _http(f"{self.cfg.prefill_url}/v1/completions", body, timeout=timeout)
+
+
+def register_block(manager, path: Path, model_name: str, block_size: int) -> int | None:
+    """Put one written block file into oMLX's SSD index (validated first). Returns its size, or
+    None when oMLX already knew it. Raises ``BlockRejected`` when it must not be served."""
+    digest = bytes.fromhex(path.stem)
+    if manager._index.contains(digest):
+        return None
+    inspect_block(str(path), model_name=model_name, block_size=block_size)
+    meta = manager._read_file_metadata(path)
+    if meta is None:
+        raise BlockRejected(f"{path}: oMLX could not read its metadata")
+    manager._enforce_size_limit_for_new_block()
+    manager._index.add(meta)
+    return meta.file_size
+
+
+class Bridge:
+    def __init__(self, cfg: config_mod.BridgeConfig | None, config_error: str | None = None):
+        self.cfg = cfg
+        self.config_error = config_error
+        self.host = PrefillHost(cfg) if cfg is not None else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pd-bridge")
+        self._fingerprints: dict[str, str] = {}
+        self._register_lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> "Bridge":
+        try:
+            return cls(config_mod.from_env())
+        except config_mod.BridgeConfigError as e:
+            logger.error("pd-bridge: bridge off: %s", e)
+            return cls(None, str(e))
+
+    def describe(self) -> str:
+        if self.cfg is None:
+            return f"off: {self.config_error}" if self.config_error else "off: PD_BRIDGE_PREFILL_URL is not set"
+        c = self.cfg
+        return (f"prefill {c.prefill_url}, segments {c.segments_host}:{c.segments_port}, "
+                f"min prompt {c.min_prompt_tokens}, min uncached {c.min_uncached_tokens}, timeout {c.timeout_s:g}s")  # fmt: skip
+
+    def _run(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def fingerprint(self, weights_dir: str) -> str:
+        fp = self._fingerprints.get(weights_dir)
+        if fp is None:
+            fp = Weights.load(weights_dir).fingerprint
+            self._fingerprints[weights_dir] = fp
+        return fp
+
+    @staticmethod
+    def _cached_blocks(pcm, ssd, ids: list[int], nblocks: int, block_size: int) -> int:
+        """Leading blocks oMLX already has, walked with oMLX's own chain hash."""
+        from omlx.cache.paged_cache import compute_block_hash
+
+        parent = None
+        for i in range(nblocks):
+            h = compute_block_hash(parent, ids[i * block_size : (i + 1) * block_size], extra_keys=None, model_name=pcm.model_name)
+            if pcm.cached_block_hash_to_block.get_block(h) is None and not ssd.has_block(h):
+                return i
+            parent = h
+        return nblocks
+
+    async def prepare(self, engine_core, prompt, request_id: str, multimodal: bool) -> tuple[Verdict, int]:
+        """Decide and, when worth it, bridge. Returns the verdict and bytes written. Never
+        raises: any failure is a verdict, and oMLX then prefills natively."""
+        t0 = time.perf_counter()
+        if self.cfg is None:
+            return native(f"bridge misconfigured: {self.config_error}" if self.config_error else "PD_BRIDGE_PREFILL_URL is not set", request_id), 0
+        if multimodal:
+            return native("multimodal request (only text prompts are bridged)", request_id), 0
+        scheduler = engine_core.scheduler
+        pcm = getattr(scheduler, "paged_cache_manager", None)
+        ssd = getattr(scheduler, "paged_ssd_cache_manager", None)
+        if pcm is None or ssd is None:
+            return native("oMLX runs without an SSD prefix cache (start it with --paged-ssd-cache-dir)", request_id), 0
+        try:
+            ids = await self._run(lambda: list(scheduler.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt])
+        except Exception as e:  # the scheduler will report its own error for this prompt
+            return native(f"prompt could not be tokenized: {e}", request_id), 0
+        n, cfg = len(ids), self.cfg
+        if n < cfg.min_prompt_tokens:
+            return native(f"prompt of {n} tokens is under PD_BRIDGE_MIN_PROMPT_TOKENS={cfg.min_prompt_tokens}", request_id), 0
+        block_size = int(getattr(pcm, "block_size", 0) or scheduler.config.paged_cache_block_size)
+        # Leave at least one token uncached: oMLX needs a token to feed for the first logit.
+        nblocks = (n - 1) // block_size
+        cached = await self._run(self._cached_blocks, pcm, ssd, ids, nblocks, block_size)
+        uncached = (nblocks - cached) * block_size
+        if uncached < cfg.min_uncached_tokens:
+            what = f"prefix cached: {cached * block_size} of {n} tokens" if cached else f"{nblocks} full blocks of {block_size} tokens"
+            return native(f"{what}; {uncached} bridgeable uncached tokens is under PD_BRIDGE_MIN_UNCACHED_TOKENS={cfg.min_uncached_tokens}", request_id), 0
+
+        # From here a bridge is tried: failures are "declined" (or "partial").
+        weights_dir = cfg.weights_dir or str(scheduler.config.model_name)
+        try:
+            fingerprint = await self._run(self.fingerprint, weights_dir)
+        except Exception as e:
+            return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0
+        try:
+            await self._run(self.host.check_health)
+            await self._run(self.host.model)
+        except PrefillUnavailable as e:
+            return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0
+        t_decided = time.perf_counter()
+        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id)
+        verdict.phases["decide"] = t_decided - t0
+        return verdict, nbytes
+
+    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id) -> tuple[Verdict, int]:
+        cfg = self.cfg
+        capture_id = f"pdb-{request_id}-{uuid.uuid4().hex[:8]}"
+        cache_dir = Path(ssd._cache_dir)
+        model_name = pcm.model_name
+        writer = BlockWriter(str(cache_dir), model_name, block_size, ids)
+        control = IngestControl()
+        registered: list[int] = []
+        problems: list[str] = []
+        nbytes = 0
+
+        def on_block(index: int) -> None:
+            nonlocal nbytes
+            if control.cancelled or problems or index != len(registered):
+                return  # only an unbroken chain from block 0 is useful
+            h = writer.hash_hex(index)
+            path = cache_dir / h[0] / f"{h}.safetensors"
+            try:
+                with self._register_lock:
+                    size = register_block(ssd, path, model_name, block_size)
+            except (BlockRejected, OSError) as e:
+                problems.append(f"block {index} not registered: {e}")
+                logger.warning("pd-bridge[%s]: %s", request_id, problems[-1])
+                return
+            nbytes += size or 0
+            registered.append(index)
+
+        def pull():
+            return ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, fingerprint, writer,
+                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control)  # fmt: skip
+
+        spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint}
+        logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id)
+        t_ask = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        stream = loop.run_in_executor(self._pool, pull)
+        http = loop.run_in_executor(self._pool, self.host.prefill, ids, spec, cfg.timeout_s)
+        t_http = None
+        http_error = None
+        deadline = t_ask + cfg.timeout_s
+        done, _ = await asyncio.wait({stream, http}, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if http in done:
+            t_http = time.perf_counter()
+            if http.exception() is not None:
+                http_error = str(http.exception())
+            if stream not in done:
+                grace = _GRACE_AFTER_HTTP_FAILURE_S if http_error else max(0.1, min(cfg.idle_s, deadline - time.perf_counter()))
+                await asyncio.wait({stream}, timeout=grace)
+        if not stream.done():
+            control.cancel()
+        seal, stream_error = None, None
+        try:
+            _, seal_json = await stream
+            seal = json.loads(seal_json)
+        except PdBridgeError as e:
+            stream_error = str(e.args[0]) if e.args else str(e)
+        t_seal = time.perf_counter()
+        if http.done() and t_http is None:
+            t_http = t_seal
+            if http.exception() is not None:
+                http_error = str(http.exception())
+        # Everything registered is on disk and in oMLX's index; oMLX continues from here.
+        t_ready = time.perf_counter()
+        after_from = min(t_seal, t_http) if t_http is not None else t_seal
+        phases = {"prefill": after_from - t_ask, "after_prefill": max(0.0, t_ready - after_from), "total": t_ready - t_ask}
+        blocks = len(registered)
+        if seal is not None and seal.get("verdict") == "complete" and blocks == nblocks and not problems:
+            v = Verdict("complete", blocks=blocks, of_blocks=nblocks, tokens=blocks * block_size, request_id=request_id, phases=phases)
+        else:
+            if seal is not None and seal.get("verdict") != "complete":
+                why = f"prefill host sealed {seal.get('verdict')}: {seal.get('reason', '')}"
+            elif problems:
+                why = problems[0]
+            elif stream_error:
+                why = f"segment stream: {stream_error}"
+            elif seal is not None:
+                why = f"prefill host sealed complete but only {blocks} of {nblocks} blocks arrived"
+            else:
+                why = "no seal"
+            if http_error and (stream_error or seal is None or seal.get("verdict") != "complete"):
+                why = f"{why}; prefill request: {http_error}"
+            kind = "partial" if blocks else "declined"
+            v = Verdict(kind, why, blocks=blocks, of_blocks=nblocks, tokens=blocks * block_size, request_id=request_id, phases=phases)
+        logger.info("pd-bridge[%s]: %s (prefill %.3fs, after prefill %.3fs, %d bytes)", request_id, v.header(), phases["prefill"], phases["after_prefill"], nbytes)
+        return v, nbytes
+
+    @staticmethod
+    def confirm(engine_core, request_id: str, verdict: Verdict) -> Verdict:
+        """After oMLX admitted the request: the verdict may only claim what oMLX actually reused."""
+        if verdict.kind not in ("complete", "partial"):
+            return verdict
+        req = getattr(engine_core.scheduler, "requests", {}).get(request_id)
+        if req is None:
+            return verdict
+        cached = int(getattr(req, "cached_tokens", 0) or 0)
+        if cached >= verdict.tokens:
+            return verdict
+        per_block = verdict.tokens // max(verdict.blocks, 1)
+        used = cached // per_block if per_block else 0
+        reason = f"oMLX reused {cached} of the {verdict.tokens} bridged tokens"
+        if used == 0:
+            return Verdict("declined", reason, of_blocks=verdict.of_blocks, request_id=request_id, phases=verdict.phases)
+        return Verdict("partial", f"{reason}; {verdict.reason}".rstrip("; "), blocks=used, of_blocks=verdict.of_blocks,
+                       tokens=used * per_block, request_id=request_id, phases=verdict.phases)  # fmt: skip
+
+
+_bridge: Bridge | None = None
+_bridge_lock = threading.Lock()
+
+
+def get_bridge() -> Bridge:
+    global _bridge
+    with _bridge_lock:
+        if _bridge is None:
+            _bridge = Bridge.from_env()
+        return _bridge
+
+
+def record(verdict: Verdict, nbytes: int) -> None:
+    COUNTERS.record(verdict, nbytes)

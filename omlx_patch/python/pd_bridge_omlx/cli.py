@@ -1,0 +1,184 @@
+"""``pd-bridge``: operate the bridge from the decode host.
+
+    pd-bridge export-weights MODEL_DIR OUT_DIR
+        Write the decoder's attention-cache weights (exactly the tensors the cache math reads)
+        and their fingerprint into OUT_DIR; copy OUT_DIR to the prefill host and point
+        PD_BRIDGE_VLLM_WEIGHTS (or kv_connector_extra_config.weights) at it.
+
+    pd-bridge doctor [--model-dir MODEL_DIR]
+        Check every link: versions, environment, the prefill host's health, the segment
+        server's reachability and shared token, the weights fingerprint, and a tiny round trip
+        (one block prefilled on vLLM, streamed, written and validated here). Says what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _export(args) -> int:
+    from ._native import PdBridgeError, export_weights
+
+    try:
+        fp = export_weights(args.model_dir, args.out_dir)
+    except (PdBridgeError, OSError) as e:
+        print(f"pd-bridge export-weights: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out_dir} (attention-cache weights of {args.model_dir})")
+    print(f"fingerprint {fp}")
+    print("on the prefill host: set PD_BRIDGE_VLLM_WEIGHTS to this directory (or kv_connector_extra_config.weights)")
+    return 0
+
+
+class _Doctor:
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def ok(self, what: str, detail: str = "") -> None:
+        print(f"  ok    {what}" + (f": {detail}" if detail else ""))
+
+    def fail(self, what: str, detail: str, fix: str) -> None:
+        self.failures += 1
+        print(f"  FAIL  {what}: {detail}\n        fix: {fix}")
+
+    def skip(self, what: str, why: str) -> None:
+        print(f"  skip  {what}: {why}")
+
+
+def _doctor(args) -> int:
+    from . import ENV_VAR, __version__, enabled
+    from . import config as config_mod
+    from .bridge import PrefillHost, PrefillUnavailable
+
+    d = _Doctor()
+    print(f"pd-bridge doctor (pd-bridge-omlx {__version__}, Python {sys.version.split()[0]})")
+    try:
+        import omlx
+
+        from .adapter import SUPPORTED_OMLX
+
+        v = getattr(omlx, "__version__", "unknown")
+        if v in SUPPORTED_OMLX:
+            d.ok("oMLX", v)
+        else:
+            d.fail("oMLX", f"version {v}", f"install oMLX {', '.join(SUPPORTED_OMLX)}")
+    except ImportError:
+        d.fail("oMLX", "not importable here", "run the doctor with the Python that runs oMLX")
+    if enabled():
+        d.ok(ENV_VAR, "set")
+    else:
+        d.fail(ENV_VAR, "not set: oMLX runs without the bridge", f"export {ENV_VAR}=1 before starting oMLX")
+    try:
+        cfg = config_mod.from_env()
+    except config_mod.BridgeConfigError as e:
+        d.fail("settings", str(e), "correct the variable named above")
+        cfg = None
+    else:
+        if cfg is None:
+            d.fail("PD_BRIDGE_PREFILL_URL", "not set", "export PD_BRIDGE_PREFILL_URL=http://<gpu-host>:8000 (vLLM's OpenAI server)")
+        else:
+            d.ok("settings", f"prefill {cfg.prefill_url}, segments {cfg.segments_host}:{cfg.segments_port}")
+    if cfg is None:
+        print(f"{d.failures} problem(s)")
+        return 1
+
+    host = PrefillHost(cfg)
+    try:
+        host.check_health()
+        d.ok("prefill host health", f"{cfg.prefill_url}/health")
+        d.ok("prefill model", host.model())
+    except PrefillUnavailable as e:
+        d.fail("prefill host", str(e), "start vLLM with the pd-bridge connector there, or correct PD_BRIDGE_PREFILL_URL")
+        print(f"{d.failures} problem(s)")
+        return 1
+
+    if not args.model_dir:
+        d.skip("weights fingerprint and round trip", "pass --model-dir (the model directory oMLX serves)")
+        print(f"{d.failures} problem(s)")
+        return 1 if d.failures else 0
+    from ._native import BlockWriter, PdBridgeError, Weights, ingest, inspect_block
+
+    model_dir = str(Path(args.model_dir).resolve())
+    try:
+        weights = Weights.load(model_dir)
+        d.ok("decoder weights", f"{weights.family}, {weights.num_layers} layers, {weights.fingerprint}")
+    except Exception as e:
+        d.fail("decoder weights", str(e), "point --model-dir at the MLX model directory oMLX loads")
+        print(f"{d.failures} problem(s)")
+        return 1
+
+    # A tiny round trip: one block of random ids prefilled there, streamed and written here.
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size", 1000))
+    block = args.block_size
+    ids = [random.Random(7).randrange(10, max(11, vocab - 1)) for _ in range(block + 1)]
+    capture_id = f"pdb-doctor-{os.getpid()}-{int(time.time())}"
+    spec = {"request_id": capture_id, "block_size": block, "fingerprint": weights.fingerprint}
+    with tempfile.TemporaryDirectory(prefix="pd-bridge-doctor-") as tmp:
+        writer = BlockWriter(tmp, model_dir, block, ids[:block])
+        import threading
+
+        result: dict = {}
+
+        def pull():
+            try:
+                result["ingest"] = ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, weights.fingerprint, writer, timeout_seconds=min(cfg.idle_s, 60.0))
+            except PdBridgeError as e:
+                result["error"] = str(e.args[0]) if e.args else str(e)
+
+        t = threading.Thread(target=pull, daemon=True)
+        t.start()
+        try:
+            host.prefill(ids[:block], spec, timeout=120.0)
+        except PrefillUnavailable as e:
+            d.fail("round trip: prefill request", str(e), "see the vLLM log; the connector must be configured (kv_transfer_config)")
+        t.join(timeout=90.0)
+        if "error" in result:
+            err = result["error"]
+            fix = "set the same PD_BRIDGE_TOKEN on both hosts" if "unauthorized" in err else "check PD_BRIDGE_SEGMENTS and that the prefill host's segment port is reachable"
+            d.fail("round trip: segment stream", err, fix)
+        elif "ingest" in result:
+            blocks, seal = result["ingest"]
+            seal = json.loads(seal)
+            if seal.get("verdict") == "complete" and blocks == 1:
+                files = list(Path(tmp).rglob("*.safetensors"))
+                try:
+                    for f in files:
+                        inspect_block(str(f), model_name=model_dir, block_size=block)
+                    d.ok("round trip", f"1 block of {block} tokens prefilled, streamed, written and validated")
+                    d.ok("weights fingerprint", "the prefill host computes with the same decoder weights")
+                except Exception as e:
+                    d.fail("round trip: block", str(e), "report this: a streamed block failed validation")
+            elif "fingerprint" in seal.get("reason", ""):
+                d.fail("weights fingerprint", seal.get("reason", ""), f"run `pd-bridge export-weights {model_dir} OUT` here and point the prefill host's PD_BRIDGE_VLLM_WEIGHTS at OUT")
+            else:
+                d.fail("round trip", f"sealed {seal}", "see the vLLM log for the capture's reason")
+        else:
+            d.fail("round trip", "no answer from the segment server within 90 s", "check PD_BRIDGE_SEGMENTS and the prefill host's firewall")
+    print(f"{d.failures} problem(s)" if d.failures else "all links ok")
+    return 1 if d.failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pd-bridge", description="Operate pd-bridge from the decode host (oMLX).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export-weights", help="write the decoder's attention-cache weights and fingerprint for the prefill host")
+    e.add_argument("model_dir", help="the MLX model directory oMLX serves")
+    e.add_argument("out_dir", help="where to write them (copy it to the prefill host)")
+    e.set_defaults(func=_export)
+    dr = sub.add_parser("doctor", help="check every link and say what to fix")
+    dr.add_argument("--model-dir", help="the MLX model directory oMLX serves (enables the fingerprint check and round trip)")
+    dr.add_argument("--block-size", type=int, default=256, help="oMLX's cache block size for this model (default 256)")
+    dr.set_defaults(func=_doctor)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

