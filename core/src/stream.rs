@@ -86,11 +86,7 @@ impl Outbox {
             if now >= deadline {
                 return None;
             }
-            s = self
-                .ready
-                .wait_timeout(s, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            s = self.ready.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
@@ -114,16 +110,10 @@ impl SegmentServer {
     /// waits for the next segment before giving up on a silent capture.
     pub fn bind(addr: &str, token: Vec<u8>, idle: Duration) -> Result<Self> {
         if token.is_empty() {
-            return Err(CoreError::config(
-                "token",
-                "the shared token must not be empty",
-            ));
+            return Err(CoreError::config("token", "the shared token must not be empty"));
         }
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| CoreError::wire(format!("cannot listen on {addr}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| CoreError::wire(e.to_string()))?;
+        let listener = TcpListener::bind(addr).map_err(|e| CoreError::wire(format!("cannot listen on {addr}: {e}")))?;
+        let local = listener.local_addr().map_err(|e| CoreError::wire(e.to_string()))?;
         let outboxes: Registry = Arc::default();
         let reg = outboxes.clone();
         let token = Arc::new(token);
@@ -133,16 +123,11 @@ impl SegmentServer {
                 for conn in listener.incoming() {
                     let Ok(stream) = conn else { continue };
                     let (reg, token) = (reg.clone(), token.clone());
-                    let _ = std::thread::Builder::new()
-                        .name("pd-bridge-send".into())
-                        .spawn(move || serve(stream, &token, &reg, idle));
+                    let _ = std::thread::Builder::new().name("pd-bridge-send".into()).spawn(move || serve(stream, &token, &reg, idle));
                 }
             })
             .map_err(|e| CoreError::wire(format!("cannot start the segment server: {e}")))?;
-        Ok(SegmentServer {
-            addr: local,
-            outboxes,
-        })
+        Ok(SegmentServer { addr: local, outboxes })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -151,12 +136,7 @@ impl SegmentServer {
 
     /// The outbox of `request_id`, created on first use.
     pub fn outbox(&self, request_id: &str) -> Arc<Outbox> {
-        self.outboxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(request_id.to_string())
-            .or_default()
-            .clone()
+        self.outboxes.lock().unwrap_or_else(|p| p.into_inner()).entry(request_id.to_string()).or_default().clone()
     }
 }
 
@@ -169,12 +149,7 @@ fn serve(mut stream: TcpStream, token: &[u8], reg: &Registry, idle: Duration) {
             return;
         }
     };
-    let outbox = reg
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(request_id.clone())
-        .or_default()
-        .clone();
+    let outbox = reg.lock().unwrap_or_else(|p| p.into_inner()).entry(request_id.clone()).or_default().clone();
     let mut w = BufWriter::new(stream);
     let result = (|| -> Result<()> {
         loop {
@@ -189,9 +164,7 @@ fn serve(mut stream: TcpStream, token: &[u8], reg: &Registry, idle: Duration) {
         tracing::warn!(request_id = %request_id, error = %e, "segment stream ended early");
     }
     outbox.close();
-    reg.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&request_id);
+    reg.lock().unwrap_or_else(|p| p.into_inner()).remove(&request_id);
 }
 
 /// What an ingest achieved.
@@ -215,14 +188,8 @@ impl IngestControl {
     /// Stop the ingest: a blocked read returns at once; blocks already written stay (each is
     /// whole and verified); nothing more is written.
     pub fn cancel(&self) {
-        self.cancelled
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(s) = self
-            .stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
+        self.cancelled.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(s) = self.stream.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -232,9 +199,7 @@ impl IngestControl {
     }
 
     fn attach(&self, stream: &TcpStream) -> Result<()> {
-        let clone = stream
-            .try_clone()
-            .map_err(|e| CoreError::wire(e.to_string()))?;
+        let clone = stream.try_clone().map_err(|e| CoreError::wire(e.to_string()))?;
         *self.stream.lock().unwrap_or_else(|p| p.into_inner()) = Some(clone);
         self.check()
     }
@@ -251,37 +216,18 @@ impl IngestControl {
 /// arrives (flushed before `on_block(index)` is called), and stop at the seal. A broken stream
 /// keeps every block already written: each is whole and verified.
 #[allow(clippy::too_many_arguments)]
-pub fn ingest(
-    addr: SocketAddr,
-    token: &[u8],
-    request_id: &str,
-    fingerprint: &str,
-    writer: &BlockWriter,
-    timeout: Duration,
-    control: &IngestControl,
-    mut on_block: impl FnMut(usize),
-) -> Ingested {
+pub fn ingest(addr: SocketAddr, token: &[u8], request_id: &str, fingerprint: &str, writer: &BlockWriter, timeout: Duration, control: &IngestControl, mut on_block: impl FnMut(usize)) -> Ingested {
     let mut blocks = 0usize;
     let outcome = (|| -> Result<Seal> {
         control.check()?;
-        let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
-            CoreError::wire(format!("cannot reach the prefill host at {addr}: {e}"))
-        })?;
+        let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| CoreError::wire(format!("cannot reach the prefill host at {addr}: {e}")))?;
         control.attach(&stream)?;
-        stream
-            .set_read_timeout(Some(timeout))
-            .map_err(|e| CoreError::wire(e.to_string()))?;
+        stream.set_read_timeout(Some(timeout)).map_err(|e| CoreError::wire(e.to_string()))?;
         wire::connect(&mut stream, token, request_id)?;
         let mut reader = SegmentReader::new(stream, request_id, fingerprint);
         let mut asm = Assembler::new();
         loop {
-            let event = reader.next_event().map_err(|e| {
-                if control.is_cancelled() {
-                    CoreError::wire("cancelled by the decode host")
-                } else {
-                    e
-                }
-            })?;
+            let event = reader.next_event().map_err(|e| if control.is_cancelled() { CoreError::wire("cancelled by the decode host") } else { e })?;
             match event {
                 Event::Segment(seg) => {
                     control.check()?;

@@ -87,61 +87,32 @@ impl DecoderWeights {
         let views = tensors
             .iter()
             .map(|(name, dtype, shape, data)| {
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
-                    .map(|v| (name.clone(), v))
-                    .map_err(|e| CoreError::weights(name, e.to_string()))
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).map(|v| (name.clone(), v)).map_err(|e| CoreError::weights(name, e.to_string()))
             })
             .collect::<Result<Vec<_>>>()?;
         let file = dst.join("attention-cache.safetensors");
-        let meta = std::collections::HashMap::from([
-            ("format".to_string(), "mlx".to_string()),
-            (
-                "pd_bridge_fingerprint".to_string(),
-                weights.fingerprint.clone(),
-            ),
-        ]);
-        safetensors::serialize_to_file(views, Some(meta), &file).map_err(|e| {
-            CoreError::WeightFile {
-                path: file.clone(),
-                reason: e.to_string(),
-            }
-        })?;
+        let meta = std::collections::HashMap::from([("format".to_string(), "mlx".to_string()), ("pd_bridge_fingerprint".to_string(), weights.fingerprint.clone())]);
+        safetensors::serialize_to_file(views, Some(meta), &file).map_err(|e| CoreError::WeightFile { path: file.clone(), reason: e.to_string() })?;
         let again = Self::load(dst)?;
         if again.fingerprint != weights.fingerprint {
-            return Err(CoreError::WeightFile {
-                path: file,
-                reason: format!(
-                    "exported weights fingerprint {} differs from the source's {}",
-                    again.fingerprint, weights.fingerprint
-                ),
-            });
+            return Err(CoreError::WeightFile { path: file, reason: format!("exported weights fingerprint {} differs from the source's {}", again.fingerprint, weights.fingerprint) });
         }
         let fp_path = dst.join("pd-bridge-fingerprint.txt");
-        std::fs::write(&fp_path, format!("{}\n", weights.fingerprint))
-            .map_err(|e| CoreError::io(&fp_path, e))?;
+        std::fs::write(&fp_path, format!("{}\n", weights.fingerprint)).map_err(|e| CoreError::io(&fp_path, e))?;
         Ok(weights.fingerprint)
     }
 
     /// `record`: when given, every tensor read is also kept there as stored.
     fn read(dir: &Path, record: Option<&mut Vec<RecordedTensor>>) -> Result<Self> {
         let cfg_path = dir.join("config.json");
-        let cfg_text =
-            std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
+        let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
         let plan = ModelPlan::from_config_json(&cfg_text)?;
-        let cfg: Value = serde_json::from_str(&cfg_text)
-            .map_err(|e| CoreError::config("config.json", e.to_string()))?;
+        let cfg: Value = serde_json::from_str(&cfg_text).map_err(|e| CoreError::config("config.json", e.to_string()))?;
         let quant = Quantization::from_config(&cfg)?;
         let store = TensorStore::open(dir)?;
-        let mut reader = Reader {
-            store: &store,
-            quant: &quant,
-            hasher: Sha256::new(),
-            record,
-        };
+        let mut reader = Reader { store: &store, quant: &quant, hasher: Sha256::new(), record };
         reader.hasher.update(b"pd-bridge weights v1\0");
-        reader
-            .hasher
-            .update(serde_json::to_vec(&plan).expect("plan serializes"));
+        reader.hasher.update(serde_json::to_vec(&plan).expect("plan serializes"));
 
         let mut layers = Vec::with_capacity(plan.num_layers());
         match &plan {
@@ -154,58 +125,28 @@ impl DecoderWeights {
                     let kind = p.layer_kind(i);
                     let compressor = match kind {
                         V4LayerKind::Window => None,
-                        _ => Some(reader.compressor(
-                            &format!("{pre}.compressor"),
-                            ratio,
-                            p.head_dim,
-                            p.hidden_size,
-                        )?),
+                        _ => Some(reader.compressor(&format!("{pre}.compressor"), ratio, p.head_dim, p.hidden_size)?),
                     };
                     let indexer = match kind {
-                        V4LayerKind::Sparse => Some(reader.compressor(
-                            &format!("{pre}.indexer.compressor"),
-                            ratio,
-                            p.index_head_dim,
-                            p.hidden_size,
-                        )?),
+                        V4LayerKind::Sparse => Some(reader.compressor(&format!("{pre}.indexer.compressor"), ratio, p.index_head_dim, p.hidden_size)?),
                         _ => None,
                     };
-                    layers.push(LayerWeights::V4(V4LayerWeights {
-                        wkv,
-                        kv_norm,
-                        compressor,
-                        indexer,
-                    }));
+                    layers.push(LayerWeights::V4(V4LayerWeights { wkv, kv_norm, compressor, indexer }));
                 }
             }
             ModelPlan::Mla(p) => {
                 for i in 0..p.num_layers {
                     let pre = format!("model.layers.{i}.self_attn");
-                    let kv_a = reader.linear(
-                        &format!("{pre}.kv_a_proj_with_mqa"),
-                        p.kv_lora_rank + p.rope_head_dim,
-                        p.hidden_size,
-                    )?;
-                    let kv_a_norm =
-                        reader.norm(&format!("{pre}.kv_a_layernorm.weight"), p.kv_lora_rank)?;
+                    let kv_a = reader.linear(&format!("{pre}.kv_a_proj_with_mqa"), p.kv_lora_rank + p.rope_head_dim, p.hidden_size)?;
+                    let kv_a_norm = reader.norm(&format!("{pre}.kv_a_layernorm.weight"), p.kv_lora_rank)?;
                     layers.push(LayerWeights::Mla(MlaLayerWeights { kv_a, kv_a_norm }));
                 }
             }
         }
         let digest = reader.hasher.finalize();
-        let fingerprint = format!(
-            "sha256:{}",
-            digest
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        );
+        let fingerprint = format!("sha256:{}", digest.iter().map(|b| format!("{b:02x}")).collect::<String>());
         tracing::debug!(dir = %dir.display(), %fingerprint, "decoder weights loaded");
-        Ok(DecoderWeights {
-            plan,
-            layers,
-            fingerprint,
-        })
+        Ok(DecoderWeights { plan, layers, fingerprint })
     }
 }
 
@@ -224,39 +165,18 @@ struct Quantization {
 
 impl Quantization {
     fn from_config(cfg: &Value) -> Result<Self> {
-        let q = match cfg
-            .get("quantization")
-            .or_else(|| cfg.get("quantization_config"))
-        {
-            None | Some(Value::Null) => {
-                return Ok(Quantization {
-                    default: None,
-                    per_module: BTreeMap::new(),
-                })
-            }
+        let q = match cfg.get("quantization").or_else(|| cfg.get("quantization_config")) {
+            None | Some(Value::Null) => return Ok(Quantization { default: None, per_module: BTreeMap::new() }),
             Some(Value::Object(m)) => m,
-            Some(other) => {
-                return Err(CoreError::config(
-                    "quantization",
-                    format!("expected an object, got {other}"),
-                ))
-            }
+            Some(other) => return Err(CoreError::config("quantization", format!("expected an object, got {other}"))),
         };
         let spec = |field: &str, m: &serde_json::Map<String, Value>| -> Result<Option<QuantSpec>> {
             if !m.contains_key("bits") && !m.contains_key("group_size") {
                 return Ok(None);
             }
-            let num = |k: &str| {
-                m.get(k).and_then(Value::as_u64).ok_or_else(|| {
-                    CoreError::config(format!("{field}.{k}"), "missing or not an integer")
-                })
-            };
+            let num = |k: &str| m.get(k).and_then(Value::as_u64).ok_or_else(|| CoreError::config(format!("{field}.{k}"), "missing or not an integer"));
             Ok(Some(QuantSpec {
-                mode: m
-                    .get("mode")
-                    .and_then(Value::as_str)
-                    .unwrap_or("affine")
-                    .to_string(),
+                mode: m.get("mode").and_then(Value::as_str).unwrap_or("affine").to_string(),
                 group_size: num("group_size")?,
                 bits: num("bits")?,
             }))
@@ -270,10 +190,7 @@ impl Quantization {
                 }
             }
         }
-        Ok(Quantization {
-            default,
-            per_module,
-        })
+        Ok(Quantization { default, per_module })
     }
 
     fn for_module(&self, module: &str) -> Option<&QuantSpec> {
@@ -296,10 +213,7 @@ impl TensorStore {
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(CoreError::WeightFile {
-                path: dir.to_path_buf(),
-                reason: "no .safetensors files in the model directory".into(),
-            });
+            return Err(CoreError::WeightFile { path: dir.to_path_buf(), reason: "no .safetensors files in the model directory".into() });
         }
         let mut maps = Vec::new();
         let mut index = BTreeMap::new();
@@ -307,10 +221,7 @@ impl TensorStore {
             let file = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
             // SAFETY: the model files are read-only inputs; nothing in this process writes them.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| CoreError::io(&path, e))?;
-            let st = SafeTensors::deserialize(&map).map_err(|e| CoreError::WeightFile {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| CoreError::WeightFile { path: path.clone(), reason: e.to_string() })?;
             for name in st.names() {
                 index.insert(name.to_string(), maps.len());
             }
@@ -320,17 +231,10 @@ impl TensorStore {
     }
 
     fn get(&self, name: &str) -> Result<Option<safetensors::tensor::TensorView<'_>>> {
-        let Some(&i) = self.index.get(name) else {
-            return Ok(None);
-        };
+        let Some(&i) = self.index.get(name) else { return Ok(None) };
         let (path, map) = &self.maps[i];
-        let st = SafeTensors::deserialize(map).map_err(|e| CoreError::WeightFile {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        st.tensor(name)
-            .map(Some)
-            .map_err(|e| CoreError::weights(name, e.to_string()))
+        let st = SafeTensors::deserialize(map).map_err(|e| CoreError::WeightFile { path: path.clone(), reason: e.to_string() })?;
+        st.tensor(name).map(Some).map_err(|e| CoreError::weights(name, e.to_string()))
     }
 }
 
@@ -346,14 +250,10 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn tensor(&mut self, name: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
-        let t = self
-            .store
-            .get(name)?
-            .ok_or_else(|| CoreError::weights(name, "missing from the model files"))?;
+        let t = self.store.get(name)?.ok_or_else(|| CoreError::weights(name, "missing from the model files"))?;
         let (dtype, shape, data) = (t.dtype(), t.shape().to_vec(), t.data().to_vec());
         self.hasher.update(name.as_bytes());
-        self.hasher
-            .update(format!("\0{dtype:?}{shape:?}\0").as_bytes());
+        self.hasher.update(format!("\0{dtype:?}{shape:?}\0").as_bytes());
         self.hasher.update(&data);
         if let Some(rec) = self.record.as_deref_mut() {
             rec.push((name.to_string(), dtype, shape.clone(), data.clone()));
@@ -363,10 +263,7 @@ impl Reader<'_> {
 
     fn expect_shape(name: &str, shape: &[usize], want: &[usize]) -> Result<()> {
         if shape != want {
-            return Err(CoreError::weights(
-                name,
-                format!("shape {shape:?}, expected {want:?}"),
-            ));
+            return Err(CoreError::weights(name, format!("shape {shape:?}, expected {want:?}")));
         }
         Ok(())
     }
@@ -374,18 +271,12 @@ impl Reader<'_> {
     fn linear(&mut self, module: &str, out_dim: usize, in_dim: usize) -> Result<Linear> {
         let wname = format!("{module}.weight");
         if self.store.get(&format!("{module}.bias"))?.is_some() {
-            return Err(CoreError::weights(
-                format!("{module}.bias"),
-                "biased projections are not supported",
-            ));
+            return Err(CoreError::weights(format!("{module}.bias"), "biased projections are not supported"));
         }
         let scales_name = format!("{module}.scales");
         let w = if self.store.get(&scales_name)?.is_some() {
             let spec = self.quant.for_module(module).cloned().ok_or_else(|| {
-                CoreError::weights(
-                    &wname,
-                    "has scales but config.json has no quantization block",
-                )
+                CoreError::weights(&wname, "has scales but config.json has no quantization block")
             })?;
             if spec.mode != "mxfp8" || spec.bits != 8 || spec.group_size != 32 {
                 return Err(CoreError::weights(
@@ -394,30 +285,18 @@ impl Reader<'_> {
                 ));
             }
             if self.store.get(&format!("{module}.biases"))?.is_some() {
-                return Err(CoreError::weights(
-                    format!("{module}.biases"),
-                    "mxfp8 weights carry no biases",
-                ));
+                return Err(CoreError::weights(format!("{module}.biases"), "mxfp8 weights carry no biases"));
             }
             let (wd, ws, wbytes) = self.tensor(&wname)?;
             let (sd, ss, sbytes) = self.tensor(&scales_name)?;
             if wd != Dtype::U32 {
-                return Err(CoreError::weights(
-                    &wname,
-                    format!("mxfp8 weight dtype {wd:?}, expected U32"),
-                ));
+                return Err(CoreError::weights(&wname, format!("mxfp8 weight dtype {wd:?}, expected U32")));
             }
             if sd != Dtype::U8 {
-                return Err(CoreError::weights(
-                    &scales_name,
-                    format!("mxfp8 scales dtype {sd:?}, expected U8"),
-                ));
+                return Err(CoreError::weights(&scales_name, format!("mxfp8 scales dtype {sd:?}, expected U8")));
             }
             if in_dim % 32 != 0 {
-                return Err(CoreError::weights(
-                    &wname,
-                    format!("input width {in_dim} is not a multiple of the group size 32"),
-                ));
+                return Err(CoreError::weights(&wname, format!("input width {in_dim} is not a multiple of the group size 32")));
             }
             Self::expect_shape(&wname, &ws, &[out_dim, in_dim / 4])?;
             Self::expect_shape(&scales_name, &ss, &[out_dim, in_dim / 32])?;
@@ -426,16 +305,8 @@ impl Reader<'_> {
             let (dt, shape, bytes) = self.tensor(&wname)?;
             Self::expect_shape(&wname, &shape, &[out_dim, in_dim])?;
             match dt {
-                Dtype::BF16 => bytes
-                    .chunks_exact(2)
-                    .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                other => {
-                    return Err(CoreError::weights(
-                        &wname,
-                        format!("dtype {other:?} is not supported (bf16 or mxfp8)"),
-                    ))
-                }
+                Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+                other => return Err(CoreError::weights(&wname, format!("dtype {other:?} is not supported (bf16 or mxfp8)"))),
             }
         };
         Ok(Linear { out_dim, in_dim, w })
@@ -445,24 +316,12 @@ impl Reader<'_> {
         let (dt, shape, bytes) = self.tensor(name)?;
         Self::expect_shape(name, &shape, &[dim])?;
         if dt != Dtype::BF16 {
-            return Err(CoreError::weights(
-                name,
-                format!("dtype {dt:?}, expected BF16 (as oMLX loads it)"),
-            ));
+            return Err(CoreError::weights(name, format!("dtype {dt:?}, expected BF16 (as oMLX loads it)")));
         }
-        Ok(bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
-            .collect())
+        Ok(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect())
     }
 
-    fn compressor(
-        &mut self,
-        pre: &str,
-        ratio: usize,
-        head_dim: usize,
-        hidden: usize,
-    ) -> Result<CompressorWeights> {
+    fn compressor(&mut self, pre: &str, ratio: usize, head_dim: usize, hidden: usize) -> Result<CompressorWeights> {
         let out_dim = if ratio == 4 { 2 * head_dim } else { head_dim };
         let wkv = self.linear(&format!("{pre}.wkv"), out_dim, hidden)?;
         let wgate = self.linear(&format!("{pre}.wgate"), out_dim, hidden)?;
@@ -470,24 +329,11 @@ impl Reader<'_> {
         let (dt, shape, bytes) = self.tensor(&ape_name)?;
         Self::expect_shape(&ape_name, &shape, &[ratio, out_dim])?;
         let ape = match dt {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            other => {
-                return Err(CoreError::weights(
-                    &ape_name,
-                    format!("dtype {other:?}, expected F32 (as oMLX loads it)"),
-                ))
-            }
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            other => return Err(CoreError::weights(&ape_name, format!("dtype {other:?}, expected F32 (as oMLX loads it)"))),
         };
         let norm = self.norm(&format!("{pre}.norm.weight"), head_dim)?;
-        Ok(CompressorWeights {
-            wkv,
-            wgate,
-            ape,
-            norm,
-        })
+        Ok(CompressorWeights { wkv, wgate, ape, norm })
     }
 }
 
@@ -511,11 +357,7 @@ fn e8m0_to_f32(s: u8) -> f32 {
     if s == 0xff {
         f32::NAN
     } else {
-        f32::from_bits(if s == 0 {
-            0x0040_0000
-        } else {
-            (s as u32) << 23
-        })
+        f32::from_bits(if s == 0 { 0x0040_0000 } else { (s as u32) << 23 })
     }
 }
 

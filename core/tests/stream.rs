@@ -11,7 +11,7 @@ use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
 use pd_bridge_core::stream::{ingest, IngestControl, SegmentServer};
 use pd_bridge_core::wire::Seal;
-use pd_bridge_core::{CacheBuilder, CoreError, DecoderSteps, DecoderWeights};
+use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, CoreError};
 
 use common::{random_rows, temp_dir, v4_model_dir, Rng};
 
@@ -20,21 +20,13 @@ const BLOCK: usize = 128;
 fn setup(prompt: usize) -> (Arc<DecoderWeights>, Vec<Vec<half::bf16>>, Vec<u32>) {
     let w = Arc::new(DecoderWeights::load(v4_model_dir(41)).unwrap());
     let mut rng = Rng::new(3);
-    let inputs = (0..w.plan.num_layers())
-        .map(|_| random_rows(&mut rng, prompt, w.plan.hidden_size()))
-        .collect();
+    let inputs = (0..w.plan.num_layers()).map(|_| random_rows(&mut rng, prompt, w.plan.hidden_size())).collect();
     (w, inputs, (0..prompt as u32).collect())
 }
 
 /// Feed the capture in 100-token chunks on another thread, pushing segments as they complete;
 /// stop after `stop_after` tokens without sealing if asked (a dying prefill host).
-fn prefill(
-    server: &SegmentServer,
-    w: Arc<DecoderWeights>,
-    inputs: Vec<Vec<half::bf16>>,
-    prompt: usize,
-    stop_after: Option<usize>,
-) -> std::thread::JoinHandle<()> {
+fn prefill(server: &SegmentServer, w: Arc<DecoderWeights>, inputs: Vec<Vec<half::bf16>>, prompt: usize, stop_after: Option<usize>) -> std::thread::JoinHandle<()> {
     let outbox = server.outbox("req");
     std::thread::spawn(move || {
         let hidden = w.plan.hidden_size();
@@ -46,8 +38,7 @@ fn prefill(
                 return;
             }
             for (l, x) in inputs.iter().enumerate() {
-                cap.feed(l, start, &x[start * hidden..end * hidden])
-                    .unwrap();
+                cap.feed(l, start, &x[start * hidden..end * hidden]).unwrap();
             }
             for seg in cap.take_ready() {
                 outbox.push(seg);
@@ -62,30 +53,14 @@ fn prefill(
 fn streamed_blocks_arrive_whole_and_in_order() {
     let prompt = 5 * BLOCK + 37;
     let (w, inputs, tokens) = setup(prompt);
-    let server =
-        SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(20)).unwrap();
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(20)).unwrap();
     let producer = prefill(&server, w.clone(), inputs.clone(), prompt, None);
     let dir = temp_dir("ingest");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
     let mut order = Vec::new();
-    let got = ingest(
-        server.local_addr(),
-        b"tok",
-        "req",
-        &w.fingerprint,
-        &writer,
-        Duration::from_secs(20),
-        &IngestControl::default(),
-        |i| order.push(i),
-    );
+    let got = ingest(server.local_addr(), b"tok", "req", &w.fingerprint, &writer, Duration::from_secs(20), &IngestControl::default(), |i| order.push(i));
     producer.join().unwrap();
-    assert_eq!(
-        got.outcome.unwrap(),
-        Seal::Complete {
-            blocks: 5,
-            tokens: 5 * BLOCK as u64
-        }
-    );
+    assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 5, tokens: 5 * BLOCK as u64 });
     assert_eq!(order, vec![0, 1, 2, 3, 4]);
 
     // The same blocks as a direct write from a full cache.
@@ -95,12 +70,7 @@ fn streamed_blocks_arrive_whole_and_in_order() {
     let hidden = w.plan.hidden_size();
     for k in 0..5 {
         for (l, x) in inputs.iter().enumerate() {
-            full.feed(
-                l,
-                k * BLOCK,
-                &x[k * BLOCK * hidden..(k + 1) * BLOCK * hidden],
-            )
-            .unwrap();
+            full.feed(l, k * BLOCK, &x[k * BLOCK * hidden..(k + 1) * BLOCK * hidden]).unwrap();
         }
         let a = wd.write(k, full.layers()).unwrap().path;
         wd.flush().unwrap();
@@ -113,21 +83,11 @@ fn streamed_blocks_arrive_whole_and_in_order() {
 fn wrong_token_gets_nothing() {
     let prompt = 2 * BLOCK;
     let (w, inputs, tokens) = setup(prompt);
-    let server =
-        SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
     let producer = prefill(&server, w.clone(), inputs, prompt, None);
     let dir = temp_dir("wrongtok");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
-    let got = ingest(
-        server.local_addr(),
-        b"nope",
-        "req",
-        &w.fingerprint,
-        &writer,
-        Duration::from_secs(5),
-        &IngestControl::default(),
-        |_| {},
-    );
+    let got = ingest(server.local_addr(), b"nope", "req", &w.fingerprint, &writer, Duration::from_secs(5), &IngestControl::default(), |_| {});
     producer.join().unwrap();
     assert_eq!(got.blocks, 0);
     let err = got.outcome.unwrap_err().to_string();
@@ -139,35 +99,17 @@ fn wrong_token_gets_nothing() {
 fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
     let prompt = 6 * BLOCK;
     let (w, inputs, tokens) = setup(prompt);
-    let server =
-        SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_millis(700)).unwrap();
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_millis(700)).unwrap();
     let producer = prefill(&server, w.clone(), inputs, prompt, Some(300));
     let dir = temp_dir("dying");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
-    let got = ingest(
-        server.local_addr(),
-        b"tok",
-        "req",
-        &w.fingerprint,
-        &writer,
-        Duration::from_secs(10),
-        &IngestControl::default(),
-        |_| {},
-    );
+    let got = ingest(server.local_addr(), b"tok", "req", &w.fingerprint, &writer, Duration::from_secs(10), &IngestControl::default(), |_| {});
     producer.join().unwrap();
-    assert!(
-        matches!(got.outcome, Err(CoreError::Wire(_))),
-        "{:?}",
-        got.outcome
-    );
+    assert!(matches!(got.outcome, Err(CoreError::Wire(_))), "{:?}", got.outcome);
     assert_eq!(got.blocks, 2);
     let files = common::files_under(&dir);
     assert_eq!(files.len(), 2, "{files:?}");
-    let expect = Expect {
-        model_name: Some("/m".into()),
-        num_layers: Some(3),
-        block_size: Some(BLOCK),
-    };
+    let expect = Expect { model_name: Some("/m".into()), num_layers: Some(3), block_size: Some(BLOCK) };
     for f in files {
         inspect(&f, &expect).unwrap();
     }
@@ -177,8 +119,7 @@ fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
 fn an_unread_outbox_is_bounded() {
     let prompt = 2 * BLOCK;
     let (w, inputs, _) = setup(prompt);
-    let server =
-        SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
     let outbox = server.outbox("nobody-reads");
     let hidden = w.plan.hidden_size();
     let mut cap = Capture::new(w.clone(), "nobody-reads", prompt, BLOCK).unwrap();
@@ -186,9 +127,7 @@ fn an_unread_outbox_is_bounded() {
         cap.feed(l, 0, &x[..BLOCK * hidden]).unwrap();
     }
     let seg = cap.take_ready().pop().unwrap();
-    let accepted = (0..pd_bridge_core::stream::MAX_QUEUED + 5)
-        .filter(|_| outbox.push(seg.clone()))
-        .count();
+    let accepted = (0..pd_bridge_core::stream::MAX_QUEUED + 5).filter(|_| outbox.push(seg.clone())).count();
     assert_eq!(accepted, pd_bridge_core::stream::MAX_QUEUED);
     assert!(outbox.is_closed());
 }

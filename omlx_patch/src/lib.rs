@@ -11,36 +11,11 @@ use pyo3::exceptions::{PyException, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-pyo3::create_exception!(
-    pd_bridge_omlx._native,
-    PdBridgeError,
-    PyException,
-    "Base class of every pd-bridge error."
-);
-pyo3::create_exception!(
-    pd_bridge_omlx._native,
-    ConfigError,
-    PdBridgeError,
-    "The decoder's config.json is missing or has an unsupported value."
-);
-pyo3::create_exception!(
-    pd_bridge_omlx._native,
-    WeightsError,
-    PdBridgeError,
-    "A decoder weight is missing, malformed or stored in an unsupported format."
-);
-pyo3::create_exception!(
-    pd_bridge_omlx._native,
-    InputError,
-    PdBridgeError,
-    "Attention input that does not fit the layer state."
-);
-pyo3::create_exception!(
-    pd_bridge_omlx._native,
-    BlockRejected,
-    PdBridgeError,
-    "A block file that must not be served; the message says why."
-);
+pyo3::create_exception!(pd_bridge_omlx._native, PdBridgeError, PyException, "Base class of every pd-bridge error.");
+pyo3::create_exception!(pd_bridge_omlx._native, ConfigError, PdBridgeError, "The decoder's config.json is missing or has an unsupported value.");
+pyo3::create_exception!(pd_bridge_omlx._native, WeightsError, PdBridgeError, "A decoder weight is missing, malformed or stored in an unsupported format.");
+pyo3::create_exception!(pd_bridge_omlx._native, InputError, PdBridgeError, "Attention input that does not fit the layer state.");
+pyo3::create_exception!(pd_bridge_omlx._native, BlockRejected, PdBridgeError, "A block file that must not be served; the message says why.");
 
 fn to_py(e: CoreError) -> PyErr {
     let msg = e.to_string();
@@ -55,15 +30,9 @@ fn to_py(e: CoreError) -> PyErr {
 
 fn bf16_from_le(data: &[u8]) -> PyResult<Vec<bf16>> {
     if data.len() % 2 != 0 {
-        return Err(InputError::new_err(format!(
-            "{} bytes is not a whole number of bf16 values",
-            data.len()
-        )));
+        return Err(InputError::new_err(format!("{} bytes is not a whole number of bf16 values", data.len())));
     }
-    Ok(data
-        .chunks_exact(2)
-        .map(|b| bf16::from_le_bytes([b[0], b[1]]))
-        .collect())
+    Ok(data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect())
 }
 
 /// The decoder's attention-cache weights, read from an MLX model directory.
@@ -76,9 +45,7 @@ struct Weights {
 impl Weights {
     #[staticmethod]
     fn load(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Self> {
-        let w = py
-            .detach(|| DecoderWeights::load(&model_dir))
-            .map_err(to_py)?;
+        let w = py.detach(|| DecoderWeights::load(&model_dir)).map_err(to_py)?;
         Ok(Weights { inner: Arc::new(w) })
     }
 
@@ -116,9 +83,7 @@ impl CacheBuilder {
     #[new]
     fn new(weights: &Weights, decoder_step: usize) -> PyResult<Self> {
         let steps = DecoderSteps::new(decoder_step).map_err(to_py)?;
-        Ok(CacheBuilder {
-            inner: CoreCacheBuilder::new(weights.inner.clone(), steps),
-        })
+        Ok(CacheBuilder { inner: CoreCacheBuilder::new(weights.inner.clone(), steps) })
     }
 
     /// Fold `[rows, hidden]` attention input (little-endian bf16 bytes), first token at
@@ -130,21 +95,12 @@ impl CacheBuilder {
     }
 
     fn processed(&self, layer: usize) -> PyResult<usize> {
-        self.inner
-            .processed(layer)
-            .ok_or_else(|| InputError::new_err(format!("no layer {layer}")))
+        self.inner.processed(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))
     }
 
     /// The layer's state as `[(name, shape, little-endian bf16 bytes)]`.
-    fn snapshot<'py>(
-        &self,
-        py: Python<'py>,
-        layer: usize,
-    ) -> PyResult<Vec<(String, Vec<usize>, Bound<'py, PyBytes>)>> {
-        let state = self
-            .inner
-            .layer(layer)
-            .ok_or_else(|| InputError::new_err(format!("no layer {layer}")))?;
+    fn snapshot<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Vec<(String, Vec<usize>, Bound<'py, PyBytes>)>> {
+        let state = self.inner.layer(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))?;
         Ok(state
             .snapshot()
             .into_iter()
@@ -167,15 +123,8 @@ impl BlockWriter {
     /// `model_name`: the model string oMLX hashes with (the model directory path it loaded);
     /// `token_ids`: the request's ids as oMLX tokenized them.
     #[new]
-    fn new(
-        cache_dir: std::path::PathBuf,
-        model_name: String,
-        block_size: usize,
-        token_ids: Vec<u32>,
-    ) -> PyResult<Self> {
-        CoreBlockWriter::new(cache_dir, model_name, block_size, &token_ids)
-            .map(|inner| BlockWriter { inner })
-            .map_err(to_py)
+    fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>) -> PyResult<Self> {
+        CoreBlockWriter::new(cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py)
     }
 
     #[getter]
@@ -184,10 +133,7 @@ impl BlockWriter {
     }
 
     fn hash_hex(&self, index: usize) -> PyResult<String> {
-        self.inner
-            .hash(index)
-            .map(|h| h.hex())
-            .ok_or_else(|| InputError::new_err(format!("no block {index}")))
+        self.inner.hash(index).map(|h| h.hex()).ok_or_else(|| InputError::new_err(format!("no block {index}")))
     }
 
     /// Wait until every written block is on disk under its final name (visible to oMLX).
@@ -198,16 +144,9 @@ impl BlockWriter {
     /// Write block `index` from `builder`, whose layers must have processed exactly the block's
     /// end; its flush to disk finishes in the background (see `flush`). Returns
     /// `(path, bytes, existed)`.
-    fn write(
-        &self,
-        py: Python<'_>,
-        builder: PyRef<'_, CacheBuilder>,
-        index: usize,
-    ) -> PyResult<(std::path::PathBuf, u64, bool)> {
+    fn write(&self, py: Python<'_>, builder: PyRef<'_, CacheBuilder>, index: usize) -> PyResult<(std::path::PathBuf, u64, bool)> {
         let layers = builder.inner.layers();
-        let w = py
-            .detach(|| self.inner.write(index, layers))
-            .map_err(to_py)?;
+        let w = py.detach(|| self.inner.write(index, layers)).map_err(to_py)?;
         Ok((w.path, w.bytes, w.existed))
     }
 }
@@ -223,21 +162,9 @@ fn inspect_block(
     num_layers: Option<usize>,
     block_size: Option<usize>,
 ) -> PyResult<(String, usize, usize, String, u64)> {
-    let expect = Expect {
-        model_name,
-        num_layers,
-        block_size,
-    };
-    let info = py
-        .detach(|| inspect(&path, &expect))
-        .map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
-    Ok((
-        info.hash.hex(),
-        info.token_count,
-        info.num_layers,
-        info.model_name,
-        info.file_size,
-    ))
+    let expect = Expect { model_name, num_layers, block_size };
+    let info = py.detach(|| inspect(&path, &expect)).map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
+    Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
 }
 
 /// Stops an `ingest` running on another thread (`cancel()`); blocks already written stay.
@@ -267,13 +194,8 @@ impl IngestControl {
 /// Write the attention-cache tensors of the MLX model in `model_dir` (and its config.json) into
 /// `out_dir` for the prefill host; returns their fingerprint.
 #[pyfunction]
-fn export_weights(
-    py: Python<'_>,
-    model_dir: std::path::PathBuf,
-    out_dir: std::path::PathBuf,
-) -> PyResult<String> {
-    py.detach(|| DecoderWeights::export(&model_dir, &out_dir))
-        .map_err(to_py)
+fn export_weights(py: Python<'_>, model_dir: std::path::PathBuf, out_dir: std::path::PathBuf) -> PyResult<String> {
+    py.detach(|| DecoderWeights::export(&model_dir, &out_dir)).map_err(to_py)
 }
 
 /// Receive `request_id`'s segments from the prefill host at `host:port`, writing each block with
@@ -296,54 +218,31 @@ fn ingest(
     control: Option<Py<IngestControl>>,
 ) -> PyResult<(usize, String)> {
     use std::net::ToSocketAddrs;
-    let addr = (host, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next())
-        .ok_or_else(|| PdBridgeError::new_err(format!("cannot resolve {host}:{port}")))?;
-    let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds)
-        .map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
+    let addr = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| PdBridgeError::new_err(format!("cannot resolve {host}:{port}")))?;
+    let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
     let own = pd_bridge_core::stream::IngestControl::default();
     let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
     let got = py.detach(|| {
-        pd_bridge_core::stream::ingest(
-            addr,
-            &token,
-            request_id,
-            fingerprint,
-            &writer.inner,
-            timeout,
-            control_ref,
-            |i| {
-                if let Some(cb) = &on_block {
-                    Python::attach(|py| {
-                        if let Err(e) = cb.call1(py, (i,)) {
-                            e.print(py);
-                        }
-                    });
-                }
-            },
-        )
+        pd_bridge_core::stream::ingest(addr, &token, request_id, fingerprint, &writer.inner, timeout, control_ref, |i| {
+            if let Some(cb) = &on_block {
+                Python::attach(|py| {
+                    if let Err(e) = cb.call1(py, (i,)) {
+                        e.print(py);
+                    }
+                });
+            }
+        })
     });
     match got.outcome {
-        Ok(seal) => Ok((
-            got.blocks,
-            serde_json::to_string(&seal).expect("seal serializes"),
-        )),
-        Err(e) => Err(PdBridgeError::new_err((
-            format!("after {} blocks: {e}", got.blocks),
-            got.blocks,
-        ))),
+        Ok(seal) => Ok((got.blocks, serde_json::to_string(&seal).expect("seal serializes"))),
+        Err(e) => Err(PdBridgeError::new_err((format!("after {} blocks: {e}", got.blocks), got.blocks))),
     }
 }
 
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{
-        export_weights, ingest, inspect_block, BlockRejected, BlockWriter, CacheBuilder,
-        ConfigError, IngestControl, InputError, PdBridgeError, Weights, WeightsError,
-    };
+    use super::{export_weights, ingest, inspect_block, IngestControl, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");
