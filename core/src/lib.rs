@@ -8,6 +8,8 @@
 pub mod assembler;
 pub mod block;
 pub mod capture;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod numerics;
 pub mod plan;

@@ -1,0 +1,154 @@
+//! GPU pooling throughput for DeepSeek-V4-Flash's 43 layers (random weights of the real shapes),
+//! side by side in one run: this path (cuBLAS tensor-core GEMMs + the bit-exact kernels), the
+//! same with the bit-exact sequential GEMM, the GEMMs alone, an eager-torch implementation of
+//! the same math (tests/gpu/bench_eager.py, run as a child process when python3 has torch), and
+//! the bf16 GEMM roofline for the same FLOPs (cuBLAS on a large square product, this run).
+//!
+//!   cargo run -p pd-bridge-core --release --features cuda --example bench_gpu
+//!   env: PD_BRIDGE_BENCH_TOKENS (65536), PD_BRIDGE_BENCH_CHUNKS (2048,8192), PD_BRIDGE_BENCH_STEP (2048)
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use pd_bridge_core::cuda::{
+    gemm_flops, synthetic, DeviceBuffer, DeviceTensor, GemmMode, GpuCache, GpuModel,
+};
+use pd_bridge_core::DecoderSteps;
+
+fn env(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+/// Seconds to pool `tokens` tokens of every layer in `chunk`-token chunks, layer after layer
+/// within a chunk as a prefill engine runs them.
+fn run(
+    m: &Arc<GpuModel>,
+    x: &DeviceBuffer,
+    tokens: usize,
+    chunk: usize,
+    step: usize,
+    mode: GemmMode,
+    gemm_only: bool,
+) -> f64 {
+    let hidden = m.hidden_size();
+    let pass = |tokens: usize| {
+        let mut g = GpuCache::new(m.clone(), DecoderSteps::new(step).unwrap(), mode).unwrap();
+        g.gemm_only = gemm_only;
+        let t = Instant::now();
+        let mut start = 0;
+        while start < tokens {
+            let c = chunk.min(tokens - start);
+            for l in 0..m.num_layers() {
+                let dt = DeviceTensor {
+                    ptr: x.ptr(),
+                    nbytes: c * hidden * 2,
+                    device: 0,
+                    stream: 0,
+                };
+                g.feed_device(l, start, &dt).unwrap();
+            }
+            start += c;
+        }
+        g.synchronize().unwrap();
+        t.elapsed().as_secs_f64()
+    };
+    pass(chunk.min(tokens) * 2); // warm-up: allocations, cuBLAS heuristics, module load
+    pass(tokens)
+}
+
+fn main() {
+    let tokens: usize = env("PD_BRIDGE_BENCH_TOKENS", "65536").parse().unwrap();
+    let chunks: Vec<usize> = env("PD_BRIDGE_BENCH_CHUNKS", "2048,8192")
+        .split(',')
+        .map(|c| c.trim().parse().unwrap())
+        .collect();
+    let step: usize = env("PD_BRIDGE_BENCH_STEP", "2048").parse().unwrap();
+    let t0 = Instant::now();
+    let w = synthetic::v4_weights(synthetic::flash_plan(), 1);
+    let m = Arc::new(GpuModel::new(w, 0).unwrap());
+    let maxc = *chunks.iter().max().unwrap();
+    let mut rng = synthetic::Rng::new(2);
+    let x = DeviceBuffer::upload(&rng.rows(maxc, m.hidden_size()), 0).unwrap();
+    let flops_per_token = 2.0 * m.macs_per_token() as f64;
+    println!(
+        "device: {} | DeepSeek-V4-Flash shapes: {} layers, hidden {}, {:.1} MFLOP/token of projections | prompt {tokens} tokens, decoder step {step} | setup {:.1}s",
+        m.dev.name,
+        m.num_layers(),
+        m.hidden_size(),
+        flops_per_token / 1e6,
+        t0.elapsed().as_secs_f64()
+    );
+    let peak = gemm_flops(0, 8192, 8192, 8192, 20).unwrap();
+    let roof = peak / flops_per_token;
+    println!(
+        "bf16 GEMM roofline: cuBLAS 8192x8192x8192 at {:.0} TFLOP/s -> {:.0} tok/s for these FLOPs",
+        peak / 1e12,
+        roof
+    );
+
+    // Eager torch, same math, same shapes (child process; its own warm-up and timing).
+    let eager: Vec<Option<f64>> = {
+        let chunk_list = chunks
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let out = std::process::Command::new(env("PYTHON", "python3"))
+            .args([
+                "tests/gpu/bench_eager.py",
+                "--tokens",
+                &tokens.to_string(),
+                "--chunks",
+                &chunk_list,
+                "--step",
+                &step.to_string(),
+            ])
+            .current_dir(env(
+                "PD_BRIDGE_REPO",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/.."),
+            ))
+            .output();
+        match out {
+            Ok(o) if o.status.success() => {
+                let text = String::from_utf8_lossy(&o.stdout);
+                eprint!("{}", String::from_utf8_lossy(&o.stderr));
+                chunks
+                    .iter()
+                    .map(|c| {
+                        text.lines().find_map(|l| {
+                            l.strip_prefix(&format!("eager chunk={c} tok_s="))
+                                .and_then(|v| v.trim().parse().ok())
+                        })
+                    })
+                    .collect()
+            }
+            Ok(o) => {
+                println!(
+                    "eager torch: not run ({})",
+                    String::from_utf8_lossy(&o.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("failed")
+                );
+                vec![None; chunks.len()]
+            }
+            Err(e) => {
+                println!("eager torch: not run ({e})");
+                vec![None; chunks.len()]
+            }
+        }
+    };
+
+    println!();
+    println!("| chunk | this path (tensor-core GEMM) | % roofline | GEMMs alone | this path, exact GEMM | eager torch | roofline |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for (i, &c) in chunks.iter().enumerate() {
+        let fast = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
+        let gemm = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, true);
+        let exact_tokens = tokens.min(16384);
+        let exact =
+            exact_tokens as f64 / run(&m, &x, exact_tokens, c, step, GemmMode::Exact, false);
+        let eg = eager[i].map_or("n/a".to_string(), |v| format!("{v:.0}"));
+        println!("| {c} | {fast:.0} tok/s | {:.1}% | {gemm:.0} tok/s | {exact:.0} tok/s | {eg} tok/s | {roof:.0} tok/s |", 100.0 * fast / roof);
+    }
+}

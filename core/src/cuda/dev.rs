@@ -1,0 +1,374 @@
+//! The device: context, compiled kernels, stream-ordered buffers, events.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use crate::error::{CoreError, Result};
+
+pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> CoreError {
+    CoreError::config("cuda", format!("{what}: {e:?}"))
+}
+
+pub(crate) fn ck(what: &str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(err(what, r))
+    }
+}
+
+const SRC: &str = include_str!("kernels.cu");
+const KERNELS: [&str; 5] = [
+    "gemm_exact",
+    "norm_rope",
+    "pool_overlap",
+    "pool_simple",
+    "gather_rows",
+];
+
+/// Whether a CUDA driver with at least one device can be loaded here.
+pub fn cuda_available() -> bool {
+    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n > 0).unwrap_or(false))
+        .unwrap_or(false)
+}
+
+/// One GPU: its primary context (the one torch uses), the compiled kernels.
+pub struct GpuDevice {
+    pub(crate) ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    funcs: HashMap<&'static str, sys::CUfunction>,
+    pub ordinal: usize,
+    pub name: String,
+}
+
+// SAFETY: CUmodule/CUfunction handles are process-wide and usable from any thread once the
+// context is current; every entry point binds the context first.
+unsafe impl Send for GpuDevice {}
+unsafe impl Sync for GpuDevice {}
+
+impl GpuDevice {
+    /// The device `ordinal`, shared by every user in the process (kernels compile once).
+    pub fn get(ordinal: usize) -> Result<Arc<GpuDevice>> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<GpuDevice>>>> = OnceLock::new();
+        let mut map = DEVICES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = map.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(Self::open(ordinal)?);
+        map.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    fn open(ordinal: usize) -> Result<Self> {
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| CoreError::config("cuda", "the CUDA driver library could not be loaded"))?
+            .map_err(|e| err("opening the device", e))?;
+        let name = ctx.name().unwrap_or_default();
+        let (maj, min) = ctx
+            .compute_capability()
+            .map_err(|e| err("compute capability", e))?;
+        let arch: &'static str = Box::leak(format!("compute_{maj}{min}").into_boxed_str());
+        let opts = cudarc::nvrtc::CompileOptions {
+            ftz: Some(false),
+            prec_sqrt: Some(true),
+            prec_div: Some(true),
+            fmad: Some(false),
+            arch: Some(arch),
+            options: vec!["-default-device".into()],
+            ..Default::default()
+        };
+        let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SRC, opts))
+            .map_err(|_| CoreError::config("cuda", "the NVRTC library could not be loaded"))?
+            .map_err(|e| err("compiling the kernels", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| err("binding the context", e))?;
+        let src = CString::new(ptx.to_src()).expect("ptx has no NUL");
+        let mut module = std::ptr::null_mut();
+        ck("loading the kernels", unsafe {
+            sys::cuModuleLoadData(&mut module, src.as_ptr() as *const c_void)
+        })?;
+        let mut funcs = HashMap::new();
+        for k in KERNELS {
+            let name_c = CString::new(k).unwrap();
+            let mut f = std::ptr::null_mut();
+            if unsafe { sys::cuModuleGetFunction(&mut f, module, name_c.as_ptr()) }
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                funcs.insert(k, f);
+            }
+        }
+        Ok(GpuDevice {
+            ctx,
+            module,
+            funcs,
+            ordinal,
+            name,
+        })
+    }
+
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| err("binding the context", e))
+    }
+
+    /// Launch `kernel` on `stream`. `args`: pointers to each argument value.
+    pub(crate) fn launch(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        stream: sys::CUstream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = *self
+            .funcs
+            .get(kernel)
+            .ok_or_else(|| CoreError::config("cuda", format!("kernel {kernel} missing")))?;
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        ck(kernel, unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid.0,
+                grid.1,
+                grid.2,
+                block,
+                1,
+                1,
+                0,
+                stream,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for GpuDevice {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            unsafe { sys::cuModuleUnload(self.module) };
+        }
+    }
+}
+
+/// A device allocation we own (stream-ordered: allocated and freed on `stream`).
+pub(crate) struct DevBuf {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+    stream: sys::CUstream,
+}
+
+unsafe impl Send for DevBuf {}
+unsafe impl Sync for DevBuf {}
+
+impl DevBuf {
+    pub fn empty(stream: sys::CUstream) -> Self {
+        DevBuf {
+            ptr: 0,
+            bytes: 0,
+            stream,
+        }
+    }
+
+    pub fn alloc(bytes: usize, stream: sys::CUstream) -> Result<Self> {
+        let mut b = DevBuf::empty(stream);
+        b.reserve(bytes)?;
+        Ok(b)
+    }
+
+    /// Make room for `bytes` (contents are not kept).
+    pub fn reserve(&mut self, bytes: usize) -> Result<()> {
+        if bytes <= self.bytes {
+            return Ok(());
+        }
+        self.release();
+        let bytes = bytes.next_power_of_two().max(256);
+        let mut p = 0;
+        ck("allocating device memory", unsafe {
+            sys::cuMemAllocAsync(&mut p, bytes, self.stream)
+        })?;
+        self.ptr = p;
+        self.bytes = bytes;
+        Ok(())
+    }
+
+    /// Grow to `bytes`, keeping the first `keep` bytes (stream-ordered copy).
+    pub fn grow_keep(&mut self, bytes: usize, keep: usize) -> Result<()> {
+        if bytes <= self.bytes {
+            return Ok(());
+        }
+        let mut nb = DevBuf::alloc(bytes, self.stream)?;
+        if keep > 0 {
+            ck("copying device memory", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(nb.ptr, self.ptr, keep, self.stream)
+            })?;
+        }
+        std::mem::swap(self, &mut nb);
+        Ok(())
+    }
+
+    fn release(&mut self) {
+        if self.ptr != 0 {
+            unsafe { sys::cuMemFreeAsync(self.ptr, self.stream) };
+            self.ptr = 0;
+            self.bytes = 0;
+        }
+    }
+
+    pub fn upload<T: Copy>(data: &[T], stream: sys::CUstream) -> Result<Self> {
+        let bytes = std::mem::size_of_val(data);
+        let b = DevBuf::alloc(bytes.max(1), stream)?;
+        if bytes > 0 {
+            ck("uploading", unsafe {
+                sys::cuMemcpyHtoDAsync_v2(b.ptr, data.as_ptr() as *const c_void, bytes, stream)
+            })?;
+            // The host slice may be dropped as soon as we return.
+            ck("uploading", unsafe { sys::cuStreamSynchronize(stream) })?;
+        }
+        Ok(b)
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// An owned non-blocking stream.
+pub(crate) struct Stream(pub sys::CUstream);
+
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new() -> Result<Self> {
+        let mut s = std::ptr::null_mut();
+        ck("creating a stream", unsafe {
+            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
+        Ok(Stream(s))
+    }
+    pub fn sync(&self) -> Result<()> {
+        ck("synchronising the side stream", unsafe {
+            sys::cuStreamSynchronize(self.0)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        unsafe {
+            sys::cuStreamSynchronize(self.0);
+            sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+/// A CUDA event without timing.
+pub(crate) struct Event(pub sys::CUevent);
+
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new() -> Result<Self> {
+        let mut e = std::ptr::null_mut();
+        ck("creating an event", unsafe {
+            sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        })?;
+        Ok(Event(e))
+    }
+    pub fn record(&self, stream: sys::CUstream) -> Result<()> {
+        ck("recording an event", unsafe {
+            sys::cuEventRecord(self.0, stream)
+        })
+    }
+    /// Non-blocking: has the work before the record finished?
+    pub fn done(&self) -> Result<bool> {
+        match unsafe { sys::cuEventQuery(self.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(err("querying an event", e)),
+        }
+    }
+    pub fn wait(&self) -> Result<()> {
+        ck("waiting for an event", unsafe {
+            sys::cuEventSynchronize(self.0)
+        })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        unsafe { sys::cuEventDestroy_v2(self.0) };
+    }
+}
+
+/// Page-locked host memory (for asynchronous device-to-host copies).
+pub(crate) struct Pinned {
+    pub ptr: *mut u8,
+    pub bytes: usize,
+}
+
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    pub fn new(bytes: usize) -> Result<Self> {
+        let mut p = std::ptr::null_mut();
+        ck("allocating pinned memory", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes.max(1), 0)
+        })?;
+        Ok(Pinned {
+            ptr: p as *mut u8,
+            bytes,
+        })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        unsafe { sys::cuMemFreeHost(self.ptr as *mut c_void) };
+    }
+}
+
+/// Kernel arguments, each stored in its own 8-byte cell (every parameter here is ≤ 8 bytes).
+#[derive(Default)]
+pub(crate) struct Args(Vec<Box<u64>>);
+
+impl Args {
+    pub fn new() -> Self {
+        Args(Vec::with_capacity(16))
+    }
+    pub fn p<T: Copy>(mut self, v: T) -> Self {
+        assert!(std::mem::size_of::<T>() <= 8);
+        let mut b = Box::new(0u64);
+        // SAFETY: T is Copy and fits in the cell; the kernel reads exactly size_of::<T>() bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                &v as *const T as *const u8,
+                &mut *b as *mut u64 as *mut u8,
+                std::mem::size_of::<T>(),
+            )
+        };
+        self.0.push(b);
+        self
+    }
+    pub fn ptrs(&mut self) -> Vec<*mut c_void> {
+        self.0
+            .iter_mut()
+            .map(|b| &mut **b as *mut u64 as *mut c_void)
+            .collect()
+    }
+}

@@ -1,0 +1,912 @@
+//! Resident weights ([`GpuModel`]) and one request's device state ([`GpuCache`]).
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::sys as cb;
+use cudarc::driver::sys;
+use half::bf16;
+
+use super::dev::{ck, err, Args, DevBuf, Event, GpuDevice, Stream};
+use super::{DeviceTensor, GemmMode};
+use crate::error::{CoreError, Result};
+use crate::numerics::{round_bf16, Rope};
+use crate::plan::{ModelPlan, V4LayerKind};
+use crate::pooler::{DecoderSteps, StateArray};
+use crate::weights::{CompressorWeights, DecoderWeights, LayerWeights, Linear};
+
+const BF: usize = 2;
+
+/// A [`Rope`]'s per-pair inverse frequencies, exactly. `Rope` keeps them private; its `Debug`
+/// form prints every f32 in Rust's shortest round-trip notation, so parsing it back is exact.
+fn rope_inv_freq(r: &Rope) -> Vec<f32> {
+    let s = format!("{r:?}");
+    let a = s.find("inv_freq: [").expect("Rope's Debug names inv_freq") + "inv_freq: [".len();
+    let b = a + s[a..].find(']').expect("closing bracket");
+    let v: Vec<f32> = s[a..b]
+        .split(',')
+        .filter(|t| !t.trim().is_empty())
+        .map(|t| t.trim().parse().expect("f32"))
+        .collect();
+    assert_eq!(v.len() * 2, r.dims());
+    v
+}
+
+struct RopeDev {
+    inv: DevBuf,
+    pairs: usize,
+    freq_scale: usize,
+}
+
+impl RopeDev {
+    fn new(r: &Rope, s: sys::CUstream) -> Result<Self> {
+        let inv = rope_inv_freq(r);
+        Ok(RopeDev {
+            pairs: inv.len(),
+            inv: DevBuf::upload(&inv, s)?,
+            freq_scale: r.freq_scale(),
+        })
+    }
+}
+
+struct CompDev {
+    /// Column of this compressor's kv in the layer's projection output (gate follows at +od).
+    col: usize,
+    ratio: usize,
+    hd: usize,
+    od: usize,
+    ape: DevBuf,
+    norm: DevBuf,
+    rope: RopeDev,
+}
+
+enum LayerDev {
+    V4 {
+        w: DevBuf,
+        ntot: usize,
+        hd: usize,
+        size: usize,
+        eps: f32,
+        kv_norm: DevBuf,
+        rope: RopeDev,
+        comps: Vec<CompDev>,
+    },
+    Mla {
+        w: DevBuf,
+        ntot: usize,
+        rank: usize,
+        rope_dim: usize,
+        eps: f32,
+        norm: DevBuf,
+        rope: RopeDev,
+        mscale: Option<f32>,
+    },
+}
+
+impl LayerDev {
+    fn w(&self) -> (&DevBuf, usize) {
+        match self {
+            LayerDev::V4 { w, ntot, .. } | LayerDev::Mla { w, ntot, .. } => (w, *ntot),
+        }
+    }
+}
+
+fn bf16_of(l: &Linear, out: &mut Vec<bf16>) {
+    // The weights are bf16 or dequantized MX values, all exact in bf16.
+    out.extend(l.w.iter().map(|&v| bf16::from_f32(v)));
+}
+
+/// The decoder's projection weights and norms, resident on one GPU.
+pub struct GpuModel {
+    pub dev: Arc<GpuDevice>,
+    pub weights: Arc<DecoderWeights>,
+    layers: Vec<LayerDev>,
+    hidden: usize,
+    _stream: Stream,
+}
+
+impl GpuModel {
+    /// Upload `weights` to device `ordinal` (once per process and fingerprint: later calls share it).
+    pub fn shared(weights: Arc<DecoderWeights>, ordinal: usize) -> Result<Arc<GpuModel>> {
+        type Key = (String, usize);
+        static MODELS: OnceLock<Mutex<Vec<(Key, Arc<GpuModel>)>>> = OnceLock::new();
+        let mut m = MODELS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let key = (weights.fingerprint.clone(), ordinal);
+        if let Some((_, g)) = m.iter().find(|(k, _)| *k == key) {
+            return Ok(g.clone());
+        }
+        let g = Arc::new(GpuModel::new(weights, ordinal)?);
+        m.push((key, g.clone()));
+        Ok(g)
+    }
+
+    pub fn new(weights: Arc<DecoderWeights>, ordinal: usize) -> Result<GpuModel> {
+        let dev = GpuDevice::get(ordinal)?;
+        dev.bind()?;
+        let stream = Stream::new()?;
+        let s = stream.0;
+        let mut layers = Vec::new();
+        match &weights.plan {
+            ModelPlan::DeepseekV4(p) => {
+                for (i, lw) in weights.layers.iter().enumerate() {
+                    let LayerWeights::V4(lw) = lw else {
+                        unreachable!("weights follow the plan")
+                    };
+                    let ratio = p.compress_ratios[i];
+                    let kind = p.layer_kind(i);
+                    let yarn = p.yarn.as_ref();
+                    let wrope = match kind {
+                        V4LayerKind::Window => {
+                            Rope::deepseek_v4(p.rope_head_dim, p.rope_theta, None, 1)
+                        }
+                        _ => Rope::deepseek_v4(p.rope_head_dim, p.compress_rope_theta, yarn, 1),
+                    };
+                    let prope = Rope::deepseek_v4(
+                        p.rope_head_dim,
+                        p.compress_rope_theta,
+                        yarn,
+                        ratio.max(1),
+                    );
+                    let mut w = Vec::new();
+                    bf16_of(&lw.wkv, &mut w);
+                    let mut col = p.head_dim;
+                    let mut comps = Vec::new();
+                    let add = |cw: &CompressorWeights,
+                               hd: usize,
+                               w: &mut Vec<bf16>,
+                               col: &mut usize|
+                     -> Result<CompDev> {
+                        let od = cw.wkv.out_dim;
+                        bf16_of(&cw.wkv, w);
+                        bf16_of(&cw.wgate, w);
+                        let c = CompDev {
+                            col: *col,
+                            ratio,
+                            hd,
+                            od,
+                            ape: DevBuf::upload(&cw.ape, s)?,
+                            norm: DevBuf::upload(&cw.norm, s)?,
+                            rope: RopeDev::new(&prope, s)?,
+                        };
+                        *col += 2 * od;
+                        Ok(c)
+                    };
+                    if let Some(cw) = &lw.compressor {
+                        comps.push(add(cw, p.head_dim, &mut w, &mut col)?);
+                    }
+                    if let Some(cw) = &lw.indexer {
+                        comps.push(add(cw, p.index_head_dim, &mut w, &mut col)?);
+                    }
+                    layers.push(LayerDev::V4 {
+                        ntot: col,
+                        w: DevBuf::upload(&w, s)?,
+                        hd: p.head_dim,
+                        size: p.sliding_window,
+                        eps: p.rms_norm_eps,
+                        kv_norm: DevBuf::upload(&lw.kv_norm, s)?,
+                        rope: RopeDev::new(&wrope, s)?,
+                        comps,
+                    });
+                }
+            }
+            ModelPlan::Mla(p) => {
+                let (rope, mscale) = match &p.yarn {
+                    Some(y) => {
+                        let m = y.magnitude();
+                        (
+                            Rope::mla_yarn(p.rope_head_dim, p.rope_theta, y),
+                            (m != 1.0).then(|| round_bf16(m as f32).to_f32()),
+                        )
+                    }
+                    None => (Rope::plain(p.rope_head_dim, p.rope_theta), None),
+                };
+                for lw in &weights.layers {
+                    let LayerWeights::Mla(lw) = lw else {
+                        unreachable!("weights follow the plan")
+                    };
+                    let mut w = Vec::new();
+                    bf16_of(&lw.kv_a, &mut w);
+                    layers.push(LayerDev::Mla {
+                        ntot: p.kv_lora_rank + p.rope_head_dim,
+                        w: DevBuf::upload(&w, s)?,
+                        rank: p.kv_lora_rank,
+                        rope_dim: p.rope_head_dim,
+                        eps: p.latent_norm_eps,
+                        norm: DevBuf::upload(&lw.kv_a_norm, s)?,
+                        rope: RopeDev::new(&rope, s)?,
+                        mscale,
+                    });
+                }
+            }
+        }
+        stream.sync()?;
+        let hidden = weights.plan.hidden_size();
+        Ok(GpuModel {
+            dev,
+            weights,
+            layers,
+            hidden,
+            _stream: stream,
+        })
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Multiply-adds per token over all layers (the projections' FLOPs are twice this).
+    pub fn macs_per_token(&self) -> usize {
+        self.layers.iter().map(|l| l.w().1 * self.hidden).sum()
+    }
+}
+
+/// Which window rows a feed keeps for the caller to read (see [`GpuCache::chunk_window`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WindowRows {
+    /// Only what the state needs (the last `sliding_window - 1 + step` rows).
+    Retained,
+    /// Every row of the chunk (the capture ships them in segments).
+    All,
+}
+
+struct CompRun {
+    stash: [DevBuf; 2],
+    cur: usize,
+    /// Raw (kv | gate) rows of the last `stash_rows` tokens before `processed`.
+    stash_rows: usize,
+    pooled: DevBuf,
+    pooled_rows: usize,
+    /// Pool rows already handed out by `drain_pools` and dropped.
+    drained: usize,
+}
+
+struct LayerRun {
+    processed: usize,
+    win: [DevBuf; 2],
+    cur: usize,
+    win_rows: usize,
+    comps: Vec<CompRun>,
+    /// MLA rows held (tokens `[mla_base, processed)`).
+    latent: DevBuf,
+    kpe: DevBuf,
+    mla_base: usize,
+    /// This layer's window rows of the last chunk (WindowRows::All): `(first token, rows)`.
+    chunk_win: DevBuf,
+    chunk_win_span: (usize, usize),
+}
+
+/// One request's decoder cache on the GPU.
+pub struct GpuCache {
+    pub model: Arc<GpuModel>,
+    steps: DecoderSteps,
+    mode: GemmMode,
+    pub window_rows: WindowRows,
+    cublas: cb::cublasHandle_t,
+    /// Projection outputs, double-buffered: layer L's kernels (on `post`) overlap layer L+1's
+    /// GEMM (on `stream`).
+    y: [DevBuf; 2],
+    slot: usize,
+    ev_gemm: [Event; 2],
+    ev_post: [Event; 2],
+    xbuf: DevBuf,
+    wtmp: DevBuf,
+    ptmp: DevBuf,
+    layers: Vec<LayerRun>,
+    order: Event,
+    /// Benchmark switch: run the projections only (no window, pools or norms).
+    pub gemm_only: bool,
+    /// Last: every buffer above is freed on one of these (stream-ordered) before they go.
+    /// `post` runs the kernels after the projections and owns the layer state.
+    post: Stream,
+    /// The side stream: ordered after the producer, runs the projections.
+    stream: Stream,
+}
+
+unsafe impl Send for GpuCache {}
+
+impl Drop for GpuCache {
+    fn drop(&mut self) {
+        let _ = self.model.dev.bind();
+        let _ = self.stream.sync();
+        let _ = self.post.sync();
+        unsafe { cb::cublasDestroy_v2(self.cublas) };
+    }
+}
+
+impl GpuCache {
+    pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, mode: GemmMode) -> Result<Self> {
+        model.dev.bind()?;
+        let stream = Stream::new()?;
+        let post = Stream::new()?;
+        let s = post.0;
+        let mut h = std::ptr::null_mut();
+        let st = unsafe { cb::cublasCreate_v2(&mut h) };
+        if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(err(
+                "creating a cuBLAS handle (is libcublas on the library path?)",
+                st,
+            ));
+        }
+        unsafe { cb::cublasSetStream_v2(h, stream.0 as cb::cudaStream_t) };
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| LayerRun {
+                processed: 0,
+                win: [DevBuf::empty(s), DevBuf::empty(s)],
+                cur: 0,
+                win_rows: 0,
+                comps: match l {
+                    LayerDev::V4 { comps, .. } => comps
+                        .iter()
+                        .map(|_| CompRun {
+                            stash: [DevBuf::empty(s), DevBuf::empty(s)],
+                            cur: 0,
+                            stash_rows: 0,
+                            pooled: DevBuf::empty(s),
+                            pooled_rows: 0,
+                            drained: 0,
+                        })
+                        .collect(),
+                    LayerDev::Mla { .. } => vec![],
+                },
+                latent: DevBuf::empty(s),
+                kpe: DevBuf::empty(s),
+                mla_base: 0,
+                chunk_win: DevBuf::empty(s),
+                chunk_win_span: (0, 0),
+            })
+            .collect();
+        Ok(GpuCache {
+            model,
+            steps,
+            mode,
+            window_rows: WindowRows::Retained,
+            y: [DevBuf::empty(stream.0), DevBuf::empty(stream.0)],
+            slot: 0,
+            ev_gemm: [Event::new()?, Event::new()?],
+            ev_post: [Event::new()?, Event::new()?],
+            xbuf: DevBuf::empty(stream.0),
+            wtmp: DevBuf::empty(s),
+            ptmp: DevBuf::empty(s),
+            stream,
+            post,
+            cublas: h,
+            layers,
+            order: Event::new()?,
+            gemm_only: false,
+        })
+    }
+
+    /// The side stream every feed runs on (as an integer handle, for `torch.cuda.ExternalStream`).
+    pub fn stream_handle(&self) -> u64 {
+        self.stream.0 as u64
+    }
+
+    /// The stream the layer state is updated on: work queued on it after a feed sees that feed's
+    /// results (device-to-host copies of the state, completion events).
+    pub(crate) fn post_stream(&self) -> sys::CUstream {
+        self.post.0
+    }
+
+    pub fn processed(&self, layer: usize) -> Option<usize> {
+        self.layers.get(layer).map(|l| l.processed)
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Wait until every queued feed has finished (tests, benchmarks, and a capture's seal).
+    pub fn synchronize(&self) -> Result<()> {
+        self.model.dev.bind()?;
+        self.stream.sync()?;
+        self.post.sync()
+    }
+
+    /// Fold host rows (uploaded first): for tests and the CPU-fed path.
+    pub fn feed_host(&mut self, layer: usize, start: usize, x: &[bf16]) -> Result<()> {
+        self.model.dev.bind()?;
+        let bytes = std::mem::size_of_val(x);
+        self.xbuf.reserve(bytes)?;
+        // The host slice must stay valid until the copy ran: make it synchronous for pageable memory.
+        ck("uploading input", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.xbuf.ptr,
+                x.as_ptr() as *const c_void,
+                bytes,
+                self.stream.0,
+            )
+        })?;
+        self.stream.sync()?;
+        let rows = x.len() / self.model.hidden.max(1);
+        let ptr = self.xbuf.ptr;
+        self.feed_rows(layer, start, ptr, rows)
+    }
+
+    /// Fold `[rows, hidden]` bf16 rows in device memory (borrowed; the caller keeps it alive until
+    /// the work is done, e.g. torch's `record_stream` on [`Self::stream_handle`]). The work is
+    /// ordered after what `t.stream` has queued so far; nothing here waits for the device.
+    pub fn feed_device(&mut self, layer: usize, start: usize, t: &DeviceTensor) -> Result<()> {
+        let hidden = self.model.hidden;
+        if t.device != self.model.dev.ordinal {
+            return Err(CoreError::input(
+                layer,
+                format!(
+                    "tensor on cuda:{} but the pooler runs on cuda:{}",
+                    t.device, self.model.dev.ordinal
+                ),
+            ));
+        }
+        if t.ptr == 0 || t.ptr % 2 != 0 || t.nbytes == 0 || t.nbytes % (hidden * BF) != 0 {
+            return Err(CoreError::input(
+                layer,
+                format!(
+                    "{} bytes at {:#x} is not a whole number of bf16 rows of width {hidden}",
+                    t.nbytes, t.ptr
+                ),
+            ));
+        }
+        self.model.dev.bind()?;
+        self.order.record(t.stream as sys::CUstream)?;
+        ck("ordering after the producer stream", unsafe {
+            sys::cuStreamWaitEvent(self.stream.0, self.order.0, 0)
+        })?;
+        self.feed_rows(layer, start, t.ptr, t.nbytes / (hidden * BF))
+    }
+
+    fn gemm(&mut self, x: u64, y: u64, rows: usize, w: u64, n: usize, k: usize) -> Result<()> {
+        match self.mode {
+            GemmMode::Exact => {
+                let mut a = Args::new()
+                    .p(x)
+                    .p(w)
+                    .p(y)
+                    .p(rows as i32)
+                    .p(n as i32)
+                    .p(k as i32)
+                    .p(k as i64)
+                    .p(k as i64)
+                    .p(n as i64);
+                self.model.dev.launch(
+                    "gemm_exact",
+                    (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1),
+                    256,
+                    self.stream.0,
+                    &mut a.ptrs(),
+                )
+            }
+            GemmMode::TensorCore => {
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                let st = unsafe {
+                    cb::cublasGemmEx(
+                        self.cublas,
+                        cb::cublasOperation_t::CUBLAS_OP_T,
+                        cb::cublasOperation_t::CUBLAS_OP_N,
+                        n as i32,
+                        rows as i32,
+                        k as i32,
+                        &alpha as *const f32 as *const c_void,
+                        w as *const c_void,
+                        cb::cudaDataType::CUDA_R_16BF,
+                        k as i32,
+                        x as *const c_void,
+                        cb::cudaDataType::CUDA_R_16BF,
+                        k as i32,
+                        &beta as *const f32 as *const c_void,
+                        y as *mut c_void,
+                        cb::cudaDataType::CUDA_R_16BF,
+                        n as i32,
+                        cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                };
+                if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return Err(err("cublasGemmEx", st));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope(
+        &self,
+        src: u64,
+        src_stride: usize,
+        dst: u64,
+        dst_stride: usize,
+        rows: usize,
+        dim: usize,
+        norm: Option<(u64, f32)>,
+        mscale: Option<f32>,
+        rope: Option<(&RopeDev, usize)>,
+    ) -> Result<()> {
+        let (wp, eps, dn) = norm.map_or((0u64, 0f32, 0i32), |(w, e)| (w, e, 1));
+        let (ms, dm) = mscale.map_or((1f32, 0i32), |m| (m, 1));
+        let (inv, pairs, pos0) = rope.map_or((0u64, 0i32, 0i64), |(r, p)| {
+            (r.inv.ptr, r.pairs as i32, p as i64)
+        });
+        let mut a = Args::new()
+            .p(src)
+            .p(src_stride as i64)
+            .p(dst)
+            .p(dst_stride as i64)
+            .p(dim as i32)
+            .p(wp)
+            .p(eps)
+            .p(dn)
+            .p(ms)
+            .p(dm)
+            .p(inv)
+            .p(pairs)
+            .p(pos0);
+        self.model.dev.launch(
+            "norm_rope",
+            (rows as u32, 1, 1),
+            256,
+            self.post.0,
+            &mut a.ptrs(),
+        )
+    }
+
+    /// Queue one chunk of `layer` (rows at device pointer `x`, tokens from `start`).
+    fn feed_rows(&mut self, layer: usize, start: usize, x: u64, rows: usize) -> Result<()> {
+        let n_layers = self.layers.len();
+        let processed = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| CoreError::input(layer, format!("the model has {n_layers} layers")))?
+            .processed;
+        if start != processed {
+            return Err(CoreError::input(
+                layer,
+                format!("chunk starts at token {start} but {processed} tokens are processed"),
+            ));
+        }
+        if rows == 0 {
+            return Err(CoreError::input(layer, "an empty chunk"));
+        }
+        let model = self.model.clone();
+        let hidden = model.hidden;
+        let s = self.post.0;
+        let (w, ntot) = model.layers[layer].w();
+        // Double-buffered projection output: wait until the kernels that last read this slot
+        // are done, project on the side stream, then hand the slot to the post stream.
+        let slot = self.slot;
+        self.slot ^= 1;
+        ck("ordering", unsafe { sys::cuStreamWaitEvent(self.stream.0, self.ev_post[slot].0, 0) })?;
+        self.y[slot].reserve(rows * ntot * BF)?;
+        let y = self.y[slot].ptr;
+        self.gemm(x, y, rows, w.ptr, ntot, hidden)?;
+        let end = start + rows;
+        if self.gemm_only {
+            self.layers[layer].processed = end;
+            return Ok(());
+        }
+        self.ev_gemm[slot].record(self.stream.0)?;
+        ck("ordering", unsafe { sys::cuStreamWaitEvent(s, self.ev_gemm[slot].0, 0) })?;
+        self.feed_post(layer, start, rows, y, ntot)?;
+        self.ev_post[slot].record(s)?;
+        self.layers[layer].processed = end;
+        Ok(())
+    }
+
+    /// The kernels after the projections (on the post stream): window, pools, MLA rows.
+    fn feed_post(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
+        let model = self.model.clone();
+        let s = self.post.0;
+        let end = start + rows;
+        match &model.layers[layer] {
+            LayerDev::V4 {
+                hd,
+                size,
+                eps,
+                kv_norm,
+                rope,
+                comps,
+                ..
+            } => {
+                let hd = *hd;
+                let retain = size - 1 + self.steps.step;
+                let nw = match self.window_rows {
+                    WindowRows::All => rows,
+                    WindowRows::Retained => rows.min(retain),
+                };
+                let first = rows - nw;
+                // Window rows: kv_norm(wkv(x)) rotated at their positions.
+                let lr = &mut self.layers[layer];
+                let dst = if self.window_rows == WindowRows::All {
+                    lr.chunk_win.reserve(nw * hd * BF)?;
+                    lr.chunk_win_span = (start + first, nw);
+                    lr.chunk_win.ptr
+                } else {
+                    self.wtmp.reserve(nw * hd * BF)?;
+                    self.wtmp.ptr
+                };
+                self.norm_rope(
+                    y + (first * ntot * BF) as u64,
+                    ntot,
+                    dst,
+                    hd,
+                    nw,
+                    hd,
+                    Some((kv_norm.ptr, *eps)),
+                    None,
+                    Some((rope, start + first)),
+                )?;
+                // The retained window: the last `retain` rows of (old ++ new).
+                let lr = &mut self.layers[layer];
+                let total = (lr.win_rows + nw).min(retain);
+                let from_new = nw.min(total);
+                let from_old = total - from_new;
+                let nxt = 1 - lr.cur;
+                lr.win[nxt].reserve(retain * hd * BF)?;
+                let (old, newb) = (lr.win[lr.cur].ptr, lr.win[nxt].ptr);
+                if from_old > 0 {
+                    ck("window copy", unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(
+                            newb,
+                            old + ((lr.win_rows - from_old) * hd * BF) as u64,
+                            from_old * hd * BF,
+                            s,
+                        )
+                    })?;
+                }
+                ck("window copy", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(
+                        newb + (from_old * hd * BF) as u64,
+                        dst + ((nw - from_new) * hd * BF) as u64,
+                        from_new * hd * BF,
+                        s,
+                    )
+                })?;
+                lr.cur = nxt;
+                lr.win_rows = total;
+                for (ci, c) in comps.iter().enumerate() {
+                    let r = c.ratio;
+                    let overlap = r == 4;
+                    let base0 = start / r * r;
+                    let windows = end / r - start / r;
+                    let sw = 2 * c.od;
+                    let (stash, seq0) = {
+                        let cr = &self.layers[layer].comps[ci];
+                        (cr.stash[cr.cur].ptr, (start - cr.stash_rows) as i64)
+                    };
+                    let ycol = c.col as i32;
+                    if windows > 0 {
+                        self.ptmp.reserve(windows * c.hd * BF)?;
+                        let out = self.ptmp.ptr;
+                        let grid = (c.hd.div_ceil(128) as u32, windows as u32, 1);
+                        if overlap {
+                            let mut a = Args::new()
+                                .p(y)
+                                .p(ntot as i64)
+                                .p(ycol)
+                                .p(start as i64)
+                                .p(stash)
+                                .p(seq0)
+                                .p(base0 as i64)
+                                .p(windows as i32)
+                                .p(c.hd as i32)
+                                .p(c.ape.ptr)
+                                .p(self.steps.step as i32)
+                                .p(out);
+                            model
+                                .dev
+                                .launch("pool_overlap", grid, 128, s, &mut a.ptrs())?;
+                        } else {
+                            let mut a = Args::new()
+                                .p(y)
+                                .p(ntot as i64)
+                                .p(ycol)
+                                .p(start as i64)
+                                .p(stash)
+                                .p(seq0)
+                                .p(base0 as i64)
+                                .p(windows as i32)
+                                .p(c.hd as i32)
+                                .p(r as i32)
+                                .p(c.ape.ptr)
+                                .p(out);
+                            model
+                                .dev
+                                .launch("pool_simple", grid, 128, s, &mut a.ptrs())?;
+                        }
+                        let cr = &mut self.layers[layer].comps[ci];
+                        cr.pooled.grow_keep(
+                            (cr.pooled_rows + windows) * c.hd * BF,
+                            cr.pooled_rows * c.hd * BF,
+                        )?;
+                        let dst = cr.pooled.ptr + (cr.pooled_rows * c.hd * BF) as u64;
+                        cr.pooled_rows += windows;
+                        self.norm_rope(
+                            out,
+                            c.hd,
+                            dst,
+                            c.hd,
+                            windows,
+                            c.hd,
+                            Some((c.norm.ptr, *eps)),
+                            None,
+                            Some((&c.rope, base0 / c.rope.freq_scale)),
+                        )?;
+                    }
+                    // The new stash: the remainder, and for ratio 4 the last complete window too.
+                    let rem = end % r;
+                    let keep = rem + if overlap { r.min(end - rem) } else { 0 };
+                    let cr = &mut self.layers[layer].comps[ci];
+                    let nxt = 1 - cr.cur;
+                    cr.stash[nxt].reserve(2 * r * sw * BF)?;
+                    let dstp = cr.stash[nxt].ptr;
+                    let mut a = Args::new()
+                        .p(y)
+                        .p(ntot as i64)
+                        .p(ycol)
+                        .p(start as i64)
+                        .p(stash)
+                        .p(seq0)
+                        .p(sw as i32)
+                        .p((end - keep) as i64)
+                        .p(keep as i32)
+                        .p(dstp);
+                    model
+                        .dev
+                        .launch("gather_rows", (keep as u32, 1, 1), 256, s, &mut a.ptrs())?;
+                    cr.cur = nxt;
+                    cr.stash_rows = keep;
+                }
+            }
+            LayerDev::Mla {
+                rank,
+                rope_dim,
+                eps,
+                norm,
+                rope,
+                mscale,
+                ..
+            } => {
+                let (rank, rd) = (*rank, *rope_dim);
+                let lr = &mut self.layers[layer];
+                let held = lr.processed - lr.mla_base;
+                lr.latent
+                    .grow_keep((held + rows) * rank * BF, held * rank * BF)?;
+                lr.kpe.grow_keep((held + rows) * rd * BF, held * rd * BF)?;
+                let (lat, kpe) = (
+                    lr.latent.ptr + (held * rank * BF) as u64,
+                    lr.kpe.ptr + (held * rd * BF) as u64,
+                );
+                self.norm_rope(
+                    y,
+                    ntot,
+                    lat,
+                    rank,
+                    rows,
+                    rank,
+                    Some((norm.ptr, *eps)),
+                    None,
+                    None,
+                )?;
+                self.norm_rope(
+                    y + (rank * BF) as u64,
+                    ntot,
+                    kpe,
+                    rd,
+                    rows,
+                    rd,
+                    None,
+                    *mscale,
+                    Some((rope, start)),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn read(&self, ptr: u64, elems: usize) -> Result<Vec<bf16>> {
+        let mut v = vec![bf16::ZERO; elems];
+        if elems > 0 {
+            ck("reading back", unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    v.as_mut_ptr() as *mut c_void,
+                    ptr,
+                    elems * BF,
+                    self.post.0,
+                )
+            })?;
+            self.post.sync()?;
+        }
+        Ok(v)
+    }
+
+    /// Read rows `[r0, r0+n)` of columns `[c0, c0+w)` of a row-major bf16 matrix with `stride`.
+    fn read_cols(
+        &self,
+        ptr: u64,
+        stride: usize,
+        r0: usize,
+        n: usize,
+        c0: usize,
+        w: usize,
+    ) -> Result<Vec<bf16>> {
+        let all = self.read(ptr + (r0 * stride * BF) as u64, n * stride)?;
+        Ok(all
+            .chunks_exact(stride.max(1))
+            .flat_map(|r| r[c0..c0 + w].to_vec())
+            .collect())
+    }
+
+    /// The layer's state in [`crate::pooler::LayerState::snapshot`]'s form (synchronises).
+    pub fn snapshot(&self, layer: usize) -> Result<Vec<StateArray>> {
+        self.synchronize()?;
+        let lr = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| CoreError::input(layer, "no such layer"))?;
+        let mut out = Vec::new();
+        match &self.model.layers[layer] {
+            LayerDev::V4 {
+                hd, size, comps, ..
+            } => {
+                let rows = lr.processed.min(*size);
+                let data = self.read(
+                    lr.win[lr.cur].ptr + ((lr.win_rows - rows) * hd * BF) as u64,
+                    rows * hd,
+                )?;
+                out.push(StateArray {
+                    name: "window",
+                    shape: vec![rows, *hd],
+                    data,
+                });
+                for (ci, (c, cr)) in comps.iter().zip(&lr.comps).enumerate() {
+                    let names = if ci == 0 {
+                        ["pooled", "buf_kv", "buf_gate"]
+                    } else {
+                        ["idx_pooled", "idx_buf_kv", "idx_buf_gate"]
+                    };
+                    let pooled = self.read(cr.pooled.ptr, cr.pooled_rows * c.hd)?;
+                    out.push(StateArray {
+                        name: names[0],
+                        shape: vec![cr.pooled_rows, c.hd],
+                        data: pooled,
+                    });
+                    let rem = lr.processed % c.ratio;
+                    let (sw, st) = (2 * c.od, cr.stash[cr.cur].ptr);
+                    let kv = self.read_cols(st, sw, cr.stash_rows - rem, rem, 0, c.od)?;
+                    let gate = self.read_cols(st, sw, cr.stash_rows - rem, rem, c.od, c.od)?;
+                    out.push(StateArray {
+                        name: names[1],
+                        shape: vec![rem, c.od],
+                        data: kv,
+                    });
+                    out.push(StateArray {
+                        name: names[2],
+                        shape: vec![rem, c.od],
+                        data: gate,
+                    });
+                }
+            }
+            LayerDev::Mla { rank, rope_dim, .. } => {
+                let held = lr.processed - lr.mla_base;
+                out.push(StateArray {
+                    name: "latent",
+                    shape: vec![held, *rank],
+                    data: self.read(lr.latent.ptr, held * rank)?,
+                });
+                out.push(StateArray {
+                    name: "k_pe",
+                    shape: vec![held, *rope_dim],
+                    data: self.read(lr.kpe.ptr, held * rope_dim)?,
+                });
+            }
+        }
+        Ok(out)
+    }
+}

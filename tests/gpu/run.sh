@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run the GPU tests and the benchmark on a CUDA host.
+#
+#   tests/gpu/run.sh [BIN_DIR]
+#
+# BIN_DIR holds prebuilt `gpu` (the core's GPU test binary) and `bench_gpu`; without it they are
+# built here with cargo (`--features cuda`). cudarc loads libcuda, libcublas and libnvrtc at run
+# time; this script adds every directory that holds them (CUDA toolkit, or the nvidia-* pip
+# wheels that torch brings) to LD_LIBRARY_PATH.
+cd "$(dirname "$0")/../.."
+libdirs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+dirs = []
+bases = site.getsitepackages() + ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib", "/usr/lib/x86_64-linux-gnu"]
+for base in bases:
+    for pat in ("libcublas.so*", "libcublasLt.so*", "libnvrtc.so*"):
+        for f in glob.glob(os.path.join(base, "**", pat), recursive=True):
+            d = os.path.dirname(f)
+            if "stubs" not in d and d not in dirs:
+                dirs.append(d)
+print(":".join(dirs))
+PY
+)
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+bin=${1:-}
+if [ -z "$bin" ]; then
+    cargo build -p pd-bridge-core --release --features cuda --example bench_gpu || exit 1
+    t=$(cargo test -p pd-bridge-core --release --features cuda --test gpu --no-run 2>&1 | sed -n 's/.*(\(target[^)]*gpu-[^)]*\)).*/\1/p' | tail -1)
+    mkdir -p target/gpubin && cp "$t" target/gpubin/gpu && cp target/release/examples/bench_gpu target/gpubin/ || exit 1
+    bin=target/gpubin
+fi
+rc=0
+"$bin/gpu" --nocapture --test-threads=1 || rc=1
+PD_BRIDGE_REPO=$PWD "$bin/bench_gpu" || rc=1
+exit $rc
