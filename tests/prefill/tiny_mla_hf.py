@@ -10,7 +10,7 @@
   each layer's ``kv_a_proj_with_mqa.weight`` and ``kv_a_layernorm.weight``, the SAME tensors the
   HF checkpoint holds, so the capture pools with exactly the weights vLLM runs.
 
-Deterministic: same seed, same bytes. Run as a script: ``python tiny_mla_hf.py OUT_DIR``.
+Deterministic: same seed, same bytes. Run as a script: ``python tiny_mla_hf.py OUT_DIR [SEED]``.
 """
 
 from __future__ import annotations
@@ -155,4 +155,4 @@ def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    print(build(Path(sys.argv[1]), seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0))

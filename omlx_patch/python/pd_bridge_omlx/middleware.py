@@ -2,9 +2,9 @@
 
 oMLX sends a keepalive byte as soon as a generation request arrives, before the engine has even
 seen the prompt, so the response headers would leave before any verdict exists. This ASGI
-middleware holds the response start until the engine hook has decided the request's verdict
-(or the response ends without reaching the engine), then adds the header and lets everything
-through unchanged. The hook and the middleware share one ``VerdictSlot`` through a context
+middleware holds what the handler sends (without blocking it) until the engine hook has decided
+the request's verdict, or the response ends without reaching the engine, then sends it with the
+header added, and everything after it unchanged. The hook and the middleware share one ``VerdictSlot`` through a context
 variable: oMLX's handler tasks inherit it from the middleware's context.
 """
 
@@ -53,43 +53,57 @@ class VerdictMiddleware:
         since = time.monotonic()
         held: list[dict] = []
         released = False
+        lock = asyncio.Lock()
 
-        async def send_with_verdict(message):
+        async def release() -> None:
+            # Caller holds the lock.
             nonlocal released
             if released:
-                return await send(message)
-            if message["type"] == "http.response.start":
-                held.append(message)
                 return
-            if message["type"] == "http.response.body":
-                if message.get("more_body", False):
-                    await _wait_for_verdict(slot, since)
-                verdict = slot.verdict
-                if verdict is None:
-                    status = held[0].get("status", 0) if held else 0
-                    verdict = native(f"the request did not reach a text engine (HTTP {status})")
-                    COUNTERS.record(verdict)
-                start = dict(held[0]) if held else {"type": "http.response.start", "status": 200, "headers": []}
-                start["headers"] = [*start.get("headers", []), (HEADER.encode(), verdict.header().encode())]
-                released = True
-                await send(start)
-                return await send(message)
-            return await send(message)
+            released = True
+            verdict = slot.verdict
+            if verdict is None:
+                status = held[0].get("status", 0) if held else 0
+                verdict = native(f"the request did not reach a text engine (HTTP {status})")
+                COUNTERS.record(verdict)
+            first = held.pop(0) if held and held[0]["type"] == "http.response.start" else {"type": "http.response.start", "status": 200, "headers": []}
+            first = dict(first)
+            first["headers"] = [*first.get("headers", []), (HEADER.encode(), verdict.header().encode())]
+            await send(first)
+            while held:
+                await send(held.pop(0))
+
+        async def releaser() -> None:
+            # Streaming handlers produce their first bytes before the engine sees the prompt and
+            # then run the engine from the same generator, so the response must keep flowing
+            # (into `held`) while the verdict is pending; it is released from here.
+            await _wait_for_verdict(slot, since)
+            async with lock:
+                if held:
+                    await release()
+
+        async def send_with_verdict(message):
+            async with lock:
+                if released:
+                    return await send(message)
+                held.append(message)
+                final = message["type"] == "http.response.body" and not message.get("more_body", False)
+                if final or slot.decided.is_set():
+                    await release()
 
         token = current_slot.set(slot)
+        watcher = asyncio.ensure_future(releaser())
         try:
             await self.app(scope, receive, send_with_verdict)
         finally:
             current_slot.reset(token)
-            if not released and held:
-                # The app ended without a body: still send what it started, with a verdict.
-                verdict = slot.verdict or native("the response carried no body")
-                start = dict(held[0])
-                start["headers"] = [*start.get("headers", []), (HEADER.encode(), verdict.header().encode())]
-                try:
-                    await send(start)
-                except Exception:  # the client is gone
-                    pass
+            watcher.cancel()
+            async with lock:
+                if not released and held:
+                    try:
+                        await release()
+                    except Exception:  # the client is gone
+                        pass
 
     async def _status(self, scope, receive, send):
         """oMLX's own status JSON, with the bridge's counters under ``pd_bridge``."""
