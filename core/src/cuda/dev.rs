@@ -128,6 +128,18 @@ impl GpuDevice {
         stream: sys::CUstream,
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch2(kernel, grid, (block, 1), stream, args)
+    }
+
+    /// [`Self::launch`] with a two-dimensional block.
+    pub(crate) fn launch2(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32),
+        stream: sys::CUstream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         let f = *self
             .funcs
             .get(kernel)
@@ -141,8 +153,8 @@ impl GpuDevice {
                 grid.0,
                 grid.1,
                 grid.2,
-                block,
-                1,
+                block.0,
+                block.1,
                 1,
                 0,
                 stream,

@@ -703,6 +703,12 @@ impl GpuCache {
                                 .dev
                                 .launch("pool_overlap", grid, 128, s, &mut a.ptrs())?;
                         } else {
+                            if r > 128 {
+                                return Err(CoreError::config(
+                                    "compress_ratios",
+                                    format!("the GPU path pools ratios up to 128, not {r}"),
+                                ));
+                            }
                             let mut a = Args::new()
                                 .p(y)
                                 .p(ntot as i64)
@@ -716,9 +722,8 @@ impl GpuCache {
                                 .p(r as i32)
                                 .p(c.ape.ptr)
                                 .p(out);
-                            model
-                                .dev
-                                .launch("pool_simple", grid, 128, s, &mut a.ptrs())?;
+                            let g = (c.hd.div_ceil(32) as u32, windows as u32, 1);
+                            model.dev.launch2("pool_simple", g, (32, 8), s, &mut a.ptrs())?;
                         }
                         let cr = &mut self.layers[layer].comps[ci];
                         cr.pooled.grow_keep(
