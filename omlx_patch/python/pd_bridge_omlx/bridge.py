@@ -258,7 +258,7 @@ class Bridge:
             if http.exception() is not None:
                 http_error = str(http.exception())
         # Everything registered is on disk and in oMLX's index; oMLX continues from here.
-        t_ready = time.perf_counter()
+        t_ready, ready_unix = time.perf_counter(), time.time()
         after_from = min(t_seal, t_http) if t_http is not None else t_seal
         phases = {"prefill": after_from - t_ask, "after_prefill": max(0.0, t_ready - after_from), "total": t_ready - t_ask}
         blocks = len(registered)
@@ -279,6 +279,7 @@ class Bridge:
                 why = f"{why}; prefill request: {http_error}"
             kind = "partial" if blocks else "declined"
             v = Verdict(kind, why, blocks=blocks, of_blocks=nblocks, tokens=blocks * block_size, request_id=request_id, phases=phases)
+        v.ready_unix = ready_unix
         logger.info("pd-bridge[%s]: %s (prefill %.3fs, after prefill %.3fs, %d bytes)", request_id, v.header(), phases["prefill"], phases["after_prefill"], nbytes)
         return v, nbytes
 
@@ -299,7 +300,7 @@ class Bridge:
         if used == 0:
             return Verdict("declined", reason, of_blocks=verdict.of_blocks, request_id=request_id, phases=verdict.phases)
         return Verdict("partial", f"{reason}; {verdict.reason}".rstrip("; "), blocks=used, of_blocks=verdict.of_blocks,
-                       tokens=used * per_block, request_id=request_id, phases=verdict.phases)  # fmt: skip
+                       tokens=used * per_block, request_id=request_id, phases=verdict.phases, ready_unix=verdict.ready_unix)  # fmt: skip
 
 
 _bridge: Bridge | None = None

@@ -35,7 +35,7 @@ class Counters:
             for p, s in verdict.phases.items():
                 if p in self._seconds:
                     self._seconds[p] += s
-            self._last = {"request_id": verdict.request_id, "verdict": verdict.header(), "phases": dict(verdict.phases)}
+            self._last = {"request_id": verdict.request_id, "verdict": verdict.header(), "phases": dict(verdict.phases), "ready_unix": verdict.ready_unix}
 
     def snapshot(self) -> dict:
         with self._lock:

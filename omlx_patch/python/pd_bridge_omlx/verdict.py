@@ -30,6 +30,9 @@ class Verdict:
     tokens: int = 0
     request_id: str = ""
     phases: dict = field(default_factory=dict)
+    #: Wall-clock time the decode host could continue (blocks registered); benchmarks compare it
+    #: with the prefill host's last step on one machine.
+    ready_unix: float | None = None
 
     def header(self) -> str:
         if self.kind == "complete":

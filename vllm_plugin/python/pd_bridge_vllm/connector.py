@@ -337,15 +337,22 @@ class PdBridgeConnector(KVConnectorBase_V1):
                 done = wc.fed.get(layer, 0)
                 skip = max(0, done - ch.start)  # rows already fed (a recompute after preemption)
                 if skip < ch.num_tokens:
-                    # A plain descriptor for the core: pointer and length of contiguous bf16 rows
-                    # in host memory (the GPU path, issue 5, reads device memory instead).
+                    # A plain descriptor for the core: pointer and length of contiguous bf16 rows.
                     x = hidden_states[row + skip : row + ch.num_tokens].to(torch.bfloat16).contiguous()
-                    if x.device.type != "cpu":
-                        x = x.cpu()
-                    wc.capture.feed_ptr(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size())
+                    if x.device.type == "cuda":
+                        # The GPU path: pooled on a side stream ordered after torch's current
+                        # stream; nothing here waits for the device. The side stream reads x, so
+                        # torch's allocator must not reuse its memory before that work is done.
+                        cur = torch.cuda.current_stream(x.device)
+                        wc.capture.feed_cuda(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", x.device.index, cur.cuda_stream)
+                        side = wc.capture.side_stream
+                        if side is not None:
+                            x.record_stream(torch.cuda.ExternalStream(side, device=x.device))
+                    else:
+                        wc.capture.feed_ptr(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size())
                     wc.fed[layer] = ch.start + ch.num_tokens
                     if self._dump_dir:
-                        self._dump(f"{wc.spec.request_id}.L{layer}.S{ch.start + skip}.in.bin", x.view(torch.uint16).numpy().tobytes())
+                        self._dump(f"{wc.spec.request_id}.L{layer}.S{ch.start + skip}.in.bin", x.cpu().view(torch.uint16).numpy().tobytes())
                 self._step_fed.setdefault(ch.req_id, set()).add(layer)
             except Exception as e:
                 wc.failure = f"layer {layer}: {type(e).__name__}: {e}"
@@ -427,7 +434,9 @@ class PdBridgeConnector(KVConnectorBase_V1):
         wc.sealed = verdict
         t0 = getattr(self, "_step_end", None)
         # From wait_for_save's entry (end of the step that ran the last prompt chunk) to sealed.
-        after = f" ({(time.perf_counter() - t0) * 1e3:.3f} ms after the step's forward)" if t0 is not None else ""
+        # The wall-clock end of that step too: a benchmark on one machine compares it with when
+        # the decode host could continue.
+        after = f" ({(time.perf_counter() - t0) * 1e3:.3f} ms after the step's forward, which ended at unix {time.time() - (time.perf_counter() - t0):.6f})" if t0 is not None else ""
         log = logger.info if failure is None else logger.warning
         log("pd-bridge: capture %s (request %s) sealed: %s%s", wc.spec.request_id, req_id, verdict, after)
         if self._dump_dir:

@@ -1,0 +1,64 @@
+"""The decode-side bridge's settings and verdict header, without engines (the engine paths are
+in tests/e2e): every bad setting is refused naming its variable, and the bridge then answers
+every request natively with that reason; a header never carries characters HTTP forbids."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("pd_bridge_omlx")
+
+from pd_bridge_omlx import config  # noqa: E402
+from pd_bridge_omlx.bridge import Bridge  # noqa: E402
+from pd_bridge_omlx.verdict import Verdict  # noqa: E402
+
+GOOD = {"PD_BRIDGE_PREFILL_URL": "http://gpu-box:8000/", "PD_BRIDGE_TOKEN": "s3cret"}
+
+
+def test_defaults_and_derived_segment_address():
+    cfg = config.from_env(GOOD)
+    assert cfg.prefill_url == "http://gpu-box:8000"
+    assert (cfg.segments_host, cfg.segments_port) == ("gpu-box", 7188)
+    assert cfg.token == b"s3cret" and cfg.min_prompt_tokens == 2048 and cfg.min_uncached_tokens == 1024
+    assert config.from_env({}) is None  # no prefill host: bridge off
+
+
+@pytest.mark.parametrize(
+    "extra, names",
+    [
+        ({"PD_BRIDGE_PREFILL_URL": "gpu-box:8000"}, "PD_BRIDGE_PREFILL_URL"),
+        ({"PD_BRIDGE_TOKEN": ""}, "PD_BRIDGE_TOKEN"),
+        ({"PD_BRIDGE_TOKEN_FILE": "/nonexistent/token"}, "PD_BRIDGE_TOKEN_FILE"),
+        ({"PD_BRIDGE_SEGMENTS": "gpu-box"}, "PD_BRIDGE_SEGMENTS"),
+        ({"PD_BRIDGE_SEGMENTS": "gpu-box:http"}, "PD_BRIDGE_SEGMENTS"),
+        ({"PD_BRIDGE_SEGMENTS": "gpu-box:70000"}, "PD_BRIDGE_SEGMENTS"),
+        ({"PD_BRIDGE_MIN_PROMPT_TOKENS": "lots"}, "PD_BRIDGE_MIN_PROMPT_TOKENS"),
+        ({"PD_BRIDGE_MIN_UNCACHED_TOKENS": "0"}, "PD_BRIDGE_MIN_UNCACHED_TOKENS"),
+        ({"PD_BRIDGE_TIMEOUT_S": "-1"}, "PD_BRIDGE_TIMEOUT_S"),
+        ({"PD_BRIDGE_IDLE_S": "nan"}, "PD_BRIDGE_IDLE_S"),
+    ],
+)
+def test_bad_settings_name_their_variable(extra, names):
+    with pytest.raises(config.BridgeConfigError, match=names):
+        config.from_env({**GOOD, **extra})
+
+
+def test_misconfigured_bridge_serves_natively_and_says_why(monkeypatch):
+    for k in list(__import__("os").environ):
+        if k.startswith("PD_BRIDGE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("PD_BRIDGE_PREFILL_URL", "http://gpu-box:8000")
+    bridge = Bridge.from_env()  # no token
+    verdict, nbytes = asyncio.run(bridge.prepare(None, "any prompt", "req-1", multimodal=False))
+    assert verdict.kind == "native" and nbytes == 0
+    assert verdict.header().startswith('native; reason="bridge misconfigured: PD_BRIDGE_TOKEN')
+
+
+def test_headers_stay_printable_ascii():
+    v = Verdict("partial", 'stream broke: "quoted"\r\nX-Injected: yes ☃ ' + "x" * 500, blocks=3, of_blocks=8, tokens=768)
+    h = v.header()
+    assert h.startswith('partial 3/8; tokens=768; reason="stream broke: ?quoted?')
+    assert all(32 <= ord(c) < 127 for c in h) and "\r" not in h and "\n" not in h and len(h) < 400
+    assert Verdict("complete", blocks=7, of_blocks=7, tokens=1792).header() == "complete; blocks=7; tokens=1792"
