@@ -13,6 +13,7 @@ use std::time::Instant;
 use pd_bridge_core::cuda::{
     gemm_flops, synthetic, DeviceBuffer, DeviceTensor, GemmMode, GpuCache, GpuModel,
 };
+use pd_bridge_core::capture::{Capture, Input};
 use pd_bridge_core::DecoderSteps;
 
 fn env(name: &str, default: &str) -> String {
@@ -56,6 +57,33 @@ fn run(
     pass(tokens)
 }
 
+/// Seconds for the whole capture engine (GPU pooling, device-to-host copies of every chunk's
+/// results, segments cut at `block`-token boundaries) over `tokens` tokens in `chunk`-token chunks.
+fn run_capture(m: &Arc<GpuModel>, x: &DeviceBuffer, tokens: usize, chunk: usize, block: usize) -> f64 {
+    let hidden = m.hidden_size();
+    let pass = |tokens: usize| {
+        let mut c = Capture::new(m.weights.clone(), "bench", tokens, block).unwrap();
+        let t = Instant::now();
+        let mut segments = 0;
+        let mut start = 0;
+        while start < tokens {
+            let n = chunk.min(tokens - start);
+            for l in 0..m.num_layers() {
+                let dt = DeviceTensor { ptr: x.ptr(), nbytes: n * hidden * 2, device: 0, stream: 0 };
+                c.feed_input(l, start, Input::Cuda(dt)).unwrap();
+            }
+            segments += c.take_ready().len();
+            start += n;
+        }
+        c.seal(None);
+        segments += c.take_ready().len();
+        assert_eq!(segments, tokens / block);
+        t.elapsed().as_secs_f64()
+    };
+    pass(block.max(chunk) * 2);
+    pass(tokens)
+}
+
 fn main() {
     let tokens: usize = env("PD_BRIDGE_BENCH_TOKENS", "65536").parse().unwrap();
     let chunks: Vec<usize> = env("PD_BRIDGE_BENCH_CHUNKS", "2048,8192")
@@ -65,7 +93,7 @@ fn main() {
     let step: usize = env("PD_BRIDGE_BENCH_STEP", "2048").parse().unwrap();
     let t0 = Instant::now();
     let w = synthetic::v4_weights(synthetic::flash_plan(), 1);
-    let m = Arc::new(GpuModel::new(w, 0).unwrap());
+    let m = GpuModel::shared(w, 0).unwrap();
     let maxc = *chunks.iter().max().unwrap();
     let mut rng = synthetic::Rng::new(2);
     let x = DeviceBuffer::upload(&rng.rows(maxc, m.hidden_size()), 0).unwrap();
@@ -140,15 +168,19 @@ fn main() {
     };
 
     println!();
-    println!("| chunk | this path (tensor-core GEMM) | % roofline | GEMMs alone | this path, exact GEMM | eager torch | roofline |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| chunk | this path (tensor-core GEMM) | % roofline | capture engine (+ D2H, segments) | GEMMs alone | this path, exact GEMM | eager torch | roofline |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (i, &c) in chunks.iter().enumerate() {
         let fast = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
         let gemm = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, true);
         let exact_tokens = tokens.min(16384);
         let exact =
             exact_tokens as f64 / run(&m, &x, exact_tokens, c, step, GemmMode::Exact, false);
+        let cap = tokens as f64 / run_capture(&m, &x, tokens, c, step);
         let eg = eager[i].map_or("n/a".to_string(), |v| format!("{v:.0}"));
-        println!("| {c} | {fast:.0} tok/s | {:.1}% | {gemm:.0} tok/s | {exact:.0} tok/s | {eg} tok/s | {roof:.0} tok/s |", 100.0 * fast / roof);
+        println!(
+            "| {c} | {fast:.0} tok/s | {:.1}% | {cap:.0} tok/s | {gemm:.0} tok/s | {exact:.0} tok/s | {eg} tok/s | {roof:.0} tok/s |",
+            100.0 * fast / roof
+        );
     }
 }

@@ -25,6 +25,29 @@ struct Part {
     arrays: Vec<Vec<bf16>>,
 }
 
+/// Attention input for [`Capture::feed_input`]: host rows, or a CUDA tensor's descriptor.
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    /// `[rows, hidden]` bf16 in host memory.
+    Host(&'a [bf16]),
+    /// `[rows, hidden]` bf16 in device memory (feature `cuda`; without it, an error).
+    Cuda(DeviceInput),
+}
+
+/// A borrowed CUDA tensor as the tap passes it: pointer, byte length, dtype (bf16 only here),
+/// device index and the producer's current stream. With feature `cuda` this is
+/// [`crate::cuda::DeviceTensor`].
+#[cfg(feature = "cuda")]
+pub type DeviceInput = crate::cuda::DeviceTensor;
+#[cfg(not(feature = "cuda"))]
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceInput {
+    pub ptr: u64,
+    pub nbytes: usize,
+    pub device: usize,
+    pub stream: u64,
+}
+
 pub struct Capture {
     request_id: String,
     fingerprint: String,
@@ -36,6 +59,15 @@ pub struct Capture {
     ready: VecDeque<Segment>,
     emitted: usize,
     sealed: Option<Seal>,
+    #[cfg(feature = "cuda")]
+    weights: Arc<DecoderWeights>,
+    /// The GPU backend, created by the first CUDA feed (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::cuda::capture::GpuCapture>,
+    /// The first CUDA feed found the GPU backend unavailable for this capture: CUDA feeds are
+    /// copied to the host and pooled on the CPU.
+    #[cfg(feature = "cuda")]
+    gpu_fallback: bool,
 }
 
 fn shape(width: usize, data: &[bf16]) -> ArrayShape {
@@ -48,6 +80,8 @@ impl Capture {
     pub fn new(weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::new(block_size)?;
         let fingerprint = weights.fingerprint.clone();
+        #[cfg(feature = "cuda")]
+        let w2 = weights.clone();
         Ok(Capture {
             request_id: request_id.into(),
             fingerprint,
@@ -58,6 +92,12 @@ impl Capture {
             ready: VecDeque::new(),
             emitted: 0,
             sealed: None,
+            #[cfg(feature = "cuda")]
+            weights: w2,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            #[cfg(feature = "cuda")]
+            gpu_fallback: false,
         })
     }
 
@@ -92,6 +132,99 @@ impl Capture {
                 self.take_part(layer, boundary / self.block_size - 1)?;
             }
         }
+        Ok(())
+    }
+
+    /// Fold one chunk, wherever it lives: the CPU path for host rows, the GPU path for CUDA
+    /// tensors (queued on a side stream after the producer's stream; the call never waits for the
+    /// device, and segments appear in [`Self::take_ready`] once the chunk's CUDA event completed).
+    /// A capture is fed from one side only. Without the GPU backend (no `cuda` feature, a block
+    /// size that is not a multiple of every compress ratio, or `PD_BRIDGE_GPU=0`) CUDA rows are
+    /// copied to the host and pooled on the CPU.
+    pub fn feed_input(&mut self, layer: usize, start: usize, input: Input<'_>) -> Result<()> {
+        match input {
+            Input::Host(x) => {
+                #[cfg(feature = "cuda")]
+                if self.gpu.is_some() {
+                    return Err(CoreError::input(layer, "this capture is fed CUDA tensors; host rows cannot be mixed in"));
+                }
+                self.feed(layer, start, x)
+            }
+            Input::Cuda(t) => self.feed_cuda(layer, start, &t),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn feed_cuda(&mut self, layer: usize, _start: usize, _t: &DeviceInput) -> Result<()> {
+        Err(CoreError::input(layer, "a CUDA tensor was passed but pd-bridge-core was built without the `cuda` feature"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn feed_cuda(&mut self, layer: usize, start: usize, t: &DeviceInput) -> Result<()> {
+        if self.sealed.is_some() {
+            return Err(CoreError::input(layer, format!("capture {} is already sealed", self.request_id)));
+        }
+        if self.gpu.is_none() && !self.gpu_fallback {
+            let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(0));
+            let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0");
+            if fed || off {
+                self.gpu_fallback = true;
+            } else {
+                match crate::cuda::capture::GpuCapture::new(self.weights.clone(), t.device, self.block_size, self.blocks)? {
+                    Some(g) => self.gpu = Some(g),
+                    None => self.gpu_fallback = true,
+                }
+            }
+        }
+        match self.gpu.as_mut() {
+            Some(g) => {
+                g.feed(layer, start, t)?;
+                self.poll_gpu(false)
+            }
+            None => {
+                let x = crate::cuda::capture::copy_to_host(t)?;
+                self.feed(layer, start, &x)
+            }
+        }
+    }
+
+    /// Take in the GPU chunks that finished (all of them if `wait`).
+    #[cfg(feature = "cuda")]
+    fn poll_gpu(&mut self, wait: bool) -> Result<()> {
+        let Some(g) = self.gpu.as_mut() else { return Ok(()) };
+        let n = self.builder.num_layers();
+        for p in g.poll(wait)? {
+            let slot = self.assembling.entry(p.block).or_insert_with(|| (0..n).map(|_| None).collect());
+            slot[p.layer] = Some(Part { header: p.header, arrays: p.arrays });
+        }
+        self.promote();
+        Ok(())
+    }
+
+    /// GPU chunks queued whose results are not in yet (0 on the CPU path).
+    pub fn pending(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.pending();
+        }
+        0
+    }
+
+    /// The GPU backend's side stream (as an integer `CUstream`), once a CUDA feed created it: the
+    /// stream that reads the input, for the caller's allocator (`tensor.record_stream`).
+    pub fn side_stream(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return Some(g.stream_handle());
+        }
+        None
+    }
+
+    /// Wait for every queued GPU chunk and take its segments in (a no-op on the CPU path). Call
+    /// it off the forward thread; [`Self::seal`] does it too.
+    pub fn drain_device(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        self.poll_gpu(true)?;
         Ok(())
     }
 
@@ -162,6 +295,10 @@ impl Capture {
 
     /// Segments completed since the last call, in block order.
     pub fn take_ready(&mut self) -> Vec<Segment> {
+        #[cfg(feature = "cuda")]
+        if let Err(e) = self.poll_gpu(false) {
+            tracing::error!(request = %self.request_id, error = %e, "GPU capture failed");
+        }
         self.ready.drain(..).collect()
     }
 
@@ -171,6 +308,9 @@ impl Capture {
         if let Some(s) = &self.sealed {
             return s.clone();
         }
+        // Segments of GPU chunks still in flight belong to the prefix: take them in first.
+        let device_failure = self.drain_device().err().map(|e| format!("GPU capture failed: {e}"));
+        let failure = failure.or(device_failure.as_deref());
         let blocks = self.emitted as u32;
         let tokens = (self.emitted * self.block_size) as u64;
         let seal = match failure {

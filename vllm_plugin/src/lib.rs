@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use half::bf16;
-use pd_bridge_core::capture::Capture as CoreCapture;
+use pd_bridge_core::capture::{Capture as CoreCapture, DeviceInput, Input};
+use pd_bridge_core::segment::Segment;
+use sha2::{Digest, Sha256};
 use pd_bridge_core::stream::{Outbox, SegmentServer as CoreSegmentServer};
 use pd_bridge_core::{CoreError, DecoderWeights};
 use pyo3::exceptions::{PyException, PyOSError};
@@ -88,6 +90,24 @@ impl SegmentServer {
 struct Capture {
     inner: CoreCapture,
     outbox: Arc<Outbox>,
+    /// SHA-256 over every segment handed to the server, in order (header JSON, then each array's
+    /// little-endian bytes): lets a test compare two captures' output without a decode host.
+    digest: Sha256,
+    segments: usize,
+}
+
+/// Hand `segs` to the server, folding each into the running digest.
+fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mut usize) {
+    for seg in segs {
+        digest.update(serde_json::to_vec(&seg.header).expect("header serializes"));
+        for a in &seg.arrays {
+            for v in a {
+                digest.update(v.to_le_bytes());
+            }
+        }
+        *count += 1;
+        outbox.push(seg);
+    }
 }
 
 #[pymethods]
@@ -95,7 +115,7 @@ impl Capture {
     #[new]
     fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer) -> PyResult<Self> {
         let inner = CoreCapture::new(weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
-        Ok(Capture { inner, outbox: server.inner.outbox(request_id) })
+        Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0 })
     }
 
     /// Fold `[rows, hidden]` attention input (little-endian bf16 bytes) for tokens from `start`.
@@ -104,12 +124,10 @@ impl Capture {
             return Err(PdBridgeError::new_err(format!("{} bytes is not a whole number of bf16 values", data.len())));
         }
         let x: Vec<bf16> = data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
-        let (inner, outbox) = (&mut self.inner, &self.outbox);
+        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
         py.detach(|| {
             inner.feed(layer, start, &x)?;
-            for seg in inner.take_ready() {
-                outbox.push(seg);
-            }
+            push_all(inner.take_ready(), outbox, digest, segments);
             Ok(())
         })
         .map_err(to_py)
@@ -122,7 +140,7 @@ impl Capture {
         if data_ptr == 0 || data_ptr % std::mem::align_of::<bf16>() != 0 || nbytes % 2 != 0 {
             return Err(PdBridgeError::new_err(format!("feed_ptr: {nbytes} bytes at {data_ptr:#x} is not an aligned bf16 buffer")));
         }
-        let (inner, outbox) = (&mut self.inner, &self.outbox);
+        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
         // The GIL is released for the pooling math; the caller's frame still holds the tensor,
         // so its memory stays alive and unmoved for the call.
         py.detach(|| {
@@ -130,18 +148,72 @@ impl Capture {
             // bf16 is a plain 2-byte value and the host is little-endian like the wire format.
             let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
             inner.feed(layer, start, x)?;
-            for seg in inner.take_ready() {
-                outbox.push(seg);
-            }
+            push_all(inner.take_ready(), outbox, digest, segments);
             Ok(())
         })
         .map_err(to_py)
     }
 
+    /// Fold attention input from a CUDA tensor, as the tap passes it: `data_ptr` and `nbytes` of
+    /// contiguous `[rows, hidden]` rows, `dtype` (`"bfloat16"`), the device index, and the
+    /// producer's current stream (`torch.cuda.current_stream().cuda_stream`). The rows are pooled
+    /// on the GPU on a side stream ordered after that stream with a CUDA event; this call never
+    /// waits for the device. The caller keeps the memory alive until the side stream has read
+    /// it: `tensor.record_stream(torch.cuda.ExternalStream(capture.side_stream))`. Without the
+    /// GPU backend (no `cuda` feature, `PD_BRIDGE_GPU=0`, an unsupported block size) the rows
+    /// are copied to the host and pooled on the CPU instead.
+    #[pyo3(signature = (layer, start, data_ptr, nbytes, dtype, device, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn feed_cuda(&mut self, py: Python<'_>, layer: usize, start: usize, data_ptr: u64, nbytes: usize, dtype: &str, device: usize, stream: u64) -> PyResult<()> {
+        if dtype != "bfloat16" && dtype != "torch.bfloat16" {
+            return Err(PdBridgeError::new_err(format!("feed_cuda: dtype {dtype} is not bfloat16")));
+        }
+        let t = DeviceInput { ptr: data_ptr, nbytes, device, stream };
+        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
+        py.detach(|| {
+            inner.feed_input(layer, start, Input::Cuda(t))?;
+            push_all(inner.take_ready(), outbox, digest, segments);
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    /// The GPU side stream (an integer `CUstream`) once a CUDA feed started it, else None.
+    #[getter]
+    fn side_stream(&self) -> Option<u64> {
+        self.inner.side_stream()
+    }
+
+    /// GPU chunks queued whose results are not in yet.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.inner.pending()
+    }
+
+    /// Take in finished GPU chunks without waiting (event queries) and send the segments they
+    /// complete; returns how many segments went out.
+    fn poll(&mut self, py: Python<'_>) -> usize {
+        let before = self.segments;
+        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
+        py.detach(|| push_all(inner.take_ready(), outbox, digest, segments));
+        self.segments - before
+    }
+
+    /// Segments sent so far and the SHA-256 (hex) over them, in order.
+    #[getter]
+    fn segments_digest(&self) -> (usize, String) {
+        let d = self.digest.clone().finalize();
+        (self.segments, d.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
     /// Seal the capture (`failure`: why it stopped early, if it did); returns the verdict JSON.
+    /// GPU chunks still in flight are waited for first (call it off the forward thread).
     #[pyo3(signature = (failure=None))]
-    fn seal(&mut self, failure: Option<&str>) -> String {
-        let seal = self.inner.seal(failure);
+    fn seal(&mut self, py: Python<'_>, failure: Option<&str>) -> String {
+        let inner = &mut self.inner;
+        let seal = py.detach(|| inner.seal(failure));
+        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
+        push_all(inner.take_ready(), outbox, digest, segments);
         self.outbox.seal(seal.clone());
         serde_json::to_string(&seal).expect("seal serializes")
     }

@@ -20,6 +20,7 @@
 
 mod dev;
 mod pooler;
+pub(crate) mod capture;
 pub mod synthetic;
 
 pub use dev::{cuda_available, GpuDevice};

@@ -309,7 +309,11 @@ pub struct GpuCache {
     stream: Stream,
 }
 
+// SAFETY: the raw handles (cuBLAS, streams, events, device pointers) are usable from any thread
+// once the context is bound, which every entry point does; mutation needs `&mut self`, and the
+// `&self` methods only query or synchronise.
 unsafe impl Send for GpuCache {}
+unsafe impl Sync for GpuCache {}
 
 impl Drop for GpuCache {
     fn drop(&mut self) {
@@ -680,6 +684,12 @@ impl GpuCache {
                         let cr = &self.layers[layer].comps[ci];
                         (cr.stash[cr.cur].ptr, (start - cr.stash_rows) as i64)
                     };
+                    if self.window_rows == WindowRows::All {
+                        // Streaming: the previous chunk's pool rows were handed out.
+                        let cr = &mut self.layers[layer].comps[ci];
+                        cr.drained += cr.pooled_rows;
+                        cr.pooled_rows = 0;
+                    }
                     let ycol = c.col as i32;
                     if windows > 0 {
                         self.ptmp.reserve(windows * c.hd * BF)?;
@@ -780,6 +790,10 @@ impl GpuCache {
             } => {
                 let (rank, rd) = (*rank, *rope_dim);
                 let lr = &mut self.layers[layer];
+                if self.window_rows == WindowRows::All {
+                    // Streaming: the previous chunk's rows were handed out.
+                    lr.mla_base = lr.processed;
+                }
                 let held = lr.processed - lr.mla_base;
                 lr.latent
                     .grow_keep((held + rows) * rank * BF, held * rank * BF)?;
@@ -846,6 +860,27 @@ impl GpuCache {
             .chunks_exact(stride.max(1))
             .flat_map(|r| r[c0..c0 + w].to_vec())
             .collect())
+    }
+
+    /// Device buffers holding what the last feed of `layer` produced, in streaming mode
+    /// ([`WindowRows::All`]): V4 `[window rows of the chunk, new pool rows per pool]`, MLA
+    /// `[latent rows, k_pe rows]`, as `(device pointer, bf16 elements)`. Valid on the post stream
+    /// until the next feed of the layer.
+    pub(crate) fn chunk_outputs(&self, layer: usize) -> Vec<(u64, usize)> {
+        let lr = &self.layers[layer];
+        match &self.model.layers[layer] {
+            LayerDev::V4 { hd, comps, .. } => {
+                let mut v = vec![(lr.chunk_win.ptr, lr.chunk_win_span.1 * hd)];
+                for (c, cr) in comps.iter().zip(&lr.comps) {
+                    v.push((cr.pooled.ptr, cr.pooled_rows * c.hd));
+                }
+                v
+            }
+            LayerDev::Mla { rank, rope_dim, .. } => {
+                let held = lr.processed - lr.mla_base;
+                vec![(lr.latent.ptr, held * rank), (lr.kpe.ptr, held * rope_dim)]
+            }
+        }
     }
 
     /// The layer's state in [`crate::pooler::LayerState::snapshot`]'s form (synchronises).

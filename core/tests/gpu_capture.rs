@@ -1,0 +1,129 @@
+//! The capture engine fed CUDA tensors (the GPU path) against the same capture fed host rows
+//! (the CPU path): the sealed segments must be equal. Needs a CUDA device: without the `cuda`
+//! feature these tests are ignored with that reason; with it but no device they print
+//! `SKIPPED: …` and return.
+//!
+//! The projections run with the bit-exact GEMM here (`PD_BRIDGE_GPU_GEMM=exact`), so equality
+//! is exact; the tensor-core GEMM's deviation is measured in tests/gpu.rs.
+
+#![allow(dead_code, unused_imports)]
+
+mod common;
+
+use std::sync::Arc;
+
+use half::bf16;
+use pd_bridge_core::capture::{Capture, Input};
+use pd_bridge_core::segment::Segment;
+use pd_bridge_core::DecoderWeights;
+
+#[cfg(feature = "cuda")]
+use pd_bridge_core::cuda::{self, synthetic, DeviceBuffer, DeviceTensor};
+
+fn chunks_of(tokens: usize, sizes: &[usize]) -> Vec<(usize, usize)> {
+    let mut out = vec![];
+    let mut t = 0;
+    let mut i = 0;
+    while t < tokens {
+        let c = sizes[i % sizes.len()].min(tokens - t);
+        out.push((t, c));
+        t += c;
+        i += 1;
+    }
+    out
+}
+
+/// Feed every chunk to every layer (chunk-major, as a prefill engine runs), collecting segments.
+fn run_host(w: &Arc<DecoderWeights>, block: usize, x: &[Vec<bf16>], chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
+    let hidden = w.plan.hidden_size();
+    let tokens = x[0].len() / hidden;
+    let mut c = Capture::new(w.clone(), "r", tokens, block).unwrap();
+    let mut segs = vec![];
+    for &(t, n) in chunks {
+        for (l, xl) in x.iter().enumerate() {
+            c.feed_input(l, t, Input::Host(&xl[t * hidden..(t + n) * hidden])).unwrap();
+        }
+        segs.extend(c.take_ready());
+    }
+    let seal = serde_json::to_string(&c.seal(None)).unwrap();
+    segs.extend(c.take_ready());
+    (segs, seal)
+}
+
+#[cfg(feature = "cuda")]
+fn run_device(w: &Arc<DecoderWeights>, block: usize, x: &[DeviceBuffer], tokens: usize, chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
+    let hidden = w.plan.hidden_size();
+    let mut c = Capture::new(w.clone(), "r", tokens, block).unwrap();
+    let mut segs = vec![];
+    for &(t, n) in chunks {
+        for (l, xl) in x.iter().enumerate() {
+            let d = DeviceTensor { ptr: xl.ptr() + (t * hidden * 2) as u64, nbytes: n * hidden * 2, device: 0, stream: 0 };
+            c.feed_input(l, t, Input::Cuda(d)).unwrap();
+        }
+        segs.extend(c.take_ready());
+    }
+    assert!(c.side_stream().is_some(), "the GPU backend was not used");
+    let seal = serde_json::to_string(&c.seal(None)).unwrap();
+    segs.extend(c.take_ready());
+    (segs, seal)
+}
+
+#[cfg(feature = "cuda")]
+fn check(name: &str, w: Arc<DecoderWeights>, tokens: usize, block: usize, sizes: &[&[usize]]) {
+    std::env::set_var("PD_BRIDGE_GPU_GEMM", "exact");
+    let hidden = w.plan.hidden_size();
+    let mut rng = common::Rng::new(41);
+    let x: Vec<Vec<bf16>> = (0..w.plan.num_layers()).map(|_| common::random_rows(&mut rng, tokens, hidden)).collect();
+    let dx: Vec<DeviceBuffer> = x.iter().map(|v| DeviceBuffer::upload(v, 0).unwrap()).collect();
+    let t0 = std::time::Instant::now();
+    let (cpu, cpu_seal) = run_host(&w, block, &x, &chunks_of(tokens, &[tokens]));
+    eprintln!("{name}: CPU capture {} segments in {:.1}s", cpu.len(), t0.elapsed().as_secs_f64());
+    assert_eq!(cpu.len(), tokens / block);
+    for s in sizes {
+        let (gpu, gpu_seal) = run_device(&w, block, &dx, tokens, &chunks_of(tokens, s));
+        assert_eq!(gpu_seal, cpu_seal, "{name} chunks {s:?}: seal");
+        assert_eq!(gpu.len(), cpu.len(), "{name} chunks {s:?}: segment count");
+        for (a, b) in cpu.iter().zip(&gpu) {
+            assert_eq!(a.header, b.header, "{name} chunks {s:?}: segment {} header", a.header.index);
+            assert!(a.arrays == b.arrays, "{name} chunks {s:?}: segment {} arrays differ", a.header.index);
+        }
+        eprintln!("{name}: GPU capture, chunks {s:?}: {} segments equal to the CPU path's", gpu.len());
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device() -> bool {
+    if !cuda::cuda_available() {
+        eprintln!("SKIPPED: no CUDA driver or device on this host");
+        return false;
+    }
+    true
+}
+
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a CUDA GPU")]
+fn tiny_capture_gpu_equals_cpu() {
+    #[cfg(feature = "cuda")]
+    {
+        if !device() {
+            return;
+        }
+        let v4 = Arc::new(DecoderWeights::load(common::v4_model_dir(3)).unwrap());
+        check("tiny v4", v4, 1100, 256, &[&[1100], &[100, 37, 300], &[256]]);
+        let mla = Arc::new(DecoderWeights::load(common::mla_model_dir(4)).unwrap());
+        check("tiny mla", mla, 300, 16, &[&[300], &[7, 50, 13]]);
+    }
+}
+
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a CUDA GPU")]
+fn flash_sized_capture_gpu_equals_cpu() {
+    #[cfg(feature = "cuda")]
+    {
+        if !device() {
+            return;
+        }
+        let w = synthetic::v4_weights(synthetic::flash_plan(), 5);
+        check("flash", w, 1100, 512, &[&[1100], &[300, 500]]);
+    }
+}
