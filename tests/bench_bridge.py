@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

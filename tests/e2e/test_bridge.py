@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -155,14 +154,16 @@ def test_chat_and_streaming_carry_the_verdict(model, bridged, native):
     assert "".join(pieces) == ref_text
 
 
-def test_two_concurrent_bridges_while_health_answers(model, bridged):
-    prompts = [E.text_of_tokens(model, LONG, seed=s) for s in (21, 22)]
+def test_concurrent_bridges_while_health_answers(model, bridged):
+    # Two different prompts, and the first one twice: identical blocks written at the same time.
+    prompts = [E.text_of_tokens(model, LONG, seed=s) for s in (21, 22)] + [None]
+    prompts[2] = prompts[0]
     results: dict[int, tuple] = {}
 
     def run(i):
         results[i] = E.completion(bridged, prompts[i], max_tokens=ANSWER_TOKENS)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     health = []
@@ -180,7 +181,12 @@ def test_two_concurrent_bridges_while_health_answers(model, bridged):
         resp, headers, _ = results[i]
         assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792", (i, headers["x-pd-bridge"])
         assert E.cached_tokens(resp) == 1792
+    dup, dup_headers, _ = results[2]
+    # The duplicate bridged too, or found the first one's blocks already there.
+    assert dup_headers["x-pd-bridge"].startswith(("complete; blocks=7", 'native; reason="prefix cached')), dup_headers["x-pd-bridge"]
+    assert E.cached_tokens(dup) == 1792 and answer(dup) == answer(results[0][0])
     assert status(bridged)["counters"]["verdicts"]["complete"] >= 5
+    assert_all_blocks_valid(bridged)
 
 
 def test_doctor_checks_every_link(model, vllm, bridged):

@@ -141,7 +141,10 @@ pub fn write_pending(path: &Path, tensors: &[Tensor<'_>], metadata: &[(String, S
     let dir = path.parent().ok_or_else(|| CoreError::io(path, std::io::Error::other("block path has no directory")))?;
     std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("block");
-    let tmp: PathBuf = dir.join(format!(".{stem}.{}.pd-tmp", std::process::id()));
+    // Unique per writer: two requests with the same prompt may write the same block at once.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp: PathBuf = dir.join(format!(".{stem}.{}.{n}.pd-tmp", std::process::id()));
     let result = (|| -> std::io::Result<(File, u64)> {
         let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
         let head = header(tensors, metadata);

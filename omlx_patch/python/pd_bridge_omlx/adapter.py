@@ -28,6 +28,8 @@ logger = logging.getLogger("pd_bridge_omlx")
 SUPPORTED_OMLX = ("0.7.0",)
 
 _lock = threading.Lock()
+# Serialises our additions to oMLX's SSD index (rescan, the bridge's ingest threads).
+index_lock = threading.Lock()
 _installed = {"cache": False, "server": False, "engine": False}
 
 
@@ -122,6 +124,25 @@ def install_bridge() -> None:
         logger.info("pd-bridge: decode-side bridge active (%s)", get_bridge().describe())
 
 
+def register_block(manager, path: Path, model_name: str | None, block_size: int | None) -> int | None:
+    """Put one block file into oMLX's SSD index, validated first (against the model and block
+    size when given). Returns its size, or None when oMLX already knew it. Raises
+    ``BlockRejected`` when it must not be served."""
+    try:
+        digest = bytes.fromhex(path.stem)
+    except ValueError:
+        digest = None
+    if digest is not None and manager._index.contains(digest):
+        return None
+    inspect_block(str(path), model_name=model_name, block_size=block_size)
+    meta = manager._read_file_metadata(path)
+    if meta is None:
+        raise BlockRejected(f"{path}: oMLX could not read its metadata")
+    manager._enforce_size_limit_for_new_block()
+    manager._index.add(meta)
+    return meta.file_size
+
+
 def rescan(manager, model_name: str | None = None, block_size: int | None = None) -> dict:
     """Index block files in ``manager``'s cache directory that it does not know yet.
 
@@ -133,25 +154,16 @@ def rescan(manager, model_name: str | None = None, block_size: int | None = None
     for sub in manager.SUBDIR_CHARS:
         for path in sorted((root / sub).glob("*.safetensors")):
             try:
-                digest = bytes.fromhex(path.stem)
-            except ValueError:
-                digest = None
-            if digest is not None and manager._index.contains(digest):
-                known += 1
-                continue
-            try:
-                inspect_block(str(path), model_name=model_name, block_size=block_size)
+                with index_lock:
+                    size = register_block(manager, path, model_name, block_size)
             except BlockRejected as e:
                 logger.warning("pd-bridge: not serving block %s", e)
                 rejected.append([str(path), str(e)])
                 continue
-            meta = manager._read_file_metadata(path)
-            if meta is None:
-                rejected.append([str(path), "oMLX could not read its metadata"])
-                continue
-            manager._enforce_size_limit_for_new_block()
-            manager._index.add(meta)
-            registered.append(path.stem)
+            if size is None:
+                known += 1
+            else:
+                registered.append(path.stem)
     logger.info("pd-bridge: rescan registered %d blocks, rejected %d, %d already known", len(registered), len(rejected), known)
     return {"registered": registered, "rejected": rejected, "known": known}
 

@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 
 from . import config as config_mod
-from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest, inspect_block
+from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest
+from .adapter import index_lock, register_block
 from .counters import COUNTERS
 from .verdict import Verdict, native
 
@@ -89,21 +90,6 @@ class PrefillHost:
         return _http(f"{self.cfg.prefill_url}/v1/completions", body, timeout=timeout)
 
 
-def register_block(manager, path: Path, model_name: str, block_size: int) -> int | None:
-    """Put one written block file into oMLX's SSD index (validated first). Returns its size, or
-    None when oMLX already knew it. Raises ``BlockRejected`` when it must not be served."""
-    digest = bytes.fromhex(path.stem)
-    if manager._index.contains(digest):
-        return None
-    inspect_block(str(path), model_name=model_name, block_size=block_size)
-    meta = manager._read_file_metadata(path)
-    if meta is None:
-        raise BlockRejected(f"{path}: oMLX could not read its metadata")
-    manager._enforce_size_limit_for_new_block()
-    manager._index.add(meta)
-    return meta.file_size
-
-
 class Bridge:
     def __init__(self, cfg: config_mod.BridgeConfig | None, config_error: str | None = None):
         self.cfg = cfg
@@ -111,7 +97,6 @@ class Bridge:
         self.host = PrefillHost(cfg) if cfg is not None else None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pd-bridge")
         self._fingerprints: dict[str, str] = {}
-        self._register_lock = threading.Lock()
 
     @classmethod
     def from_env(cls) -> "Bridge":
@@ -214,7 +199,7 @@ class Bridge:
             h = writer.hash_hex(index)
             path = cache_dir / h[0] / f"{h}.safetensors"
             try:
-                with self._register_lock:
+                with index_lock:
                     size = register_block(ssd, path, model_name, block_size)
             except (BlockRejected, OSError) as e:
                 problems.append(f"block {index} not registered: {e}")
@@ -236,14 +221,19 @@ class Bridge:
         t_http = None
         http_error = None
         deadline = t_ask + cfg.timeout_s
-        done, _ = await asyncio.wait({stream, http}, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        if http in done:
-            t_http = time.perf_counter()
-            if http.exception() is not None:
-                http_error = str(http.exception())
-            if stream not in done:
-                grace = _GRACE_AFTER_HTTP_FAILURE_S if http_error else max(0.1, min(cfg.idle_s, deadline - time.perf_counter()))
-                await asyncio.wait({stream}, timeout=grace)
+        try:
+            done, _ = await asyncio.wait({stream, http}, timeout=cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if http in done:
+                t_http = time.perf_counter()
+                if http.exception() is not None:
+                    http_error = str(http.exception())
+                if stream not in done:
+                    grace = _GRACE_AFTER_HTTP_FAILURE_S if http_error else max(0.1, min(cfg.idle_s, deadline - time.perf_counter()))
+                    await asyncio.wait({stream}, timeout=grace)
+        except asyncio.CancelledError:  # the client went away: stop writing for it
+            control.cancel()
+            logger.info("pd-bridge[%s]: cancelled by the client after %d blocks", request_id, len(registered))
+            raise
         if not stream.done():
             control.cancel()
         seal, stream_error = None, None
