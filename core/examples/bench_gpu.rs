@@ -22,6 +22,13 @@ fn env(name: &str, default: &str) -> String {
 
 /// Seconds to pool `tokens` tokens of every layer in `chunk`-token chunks, layer after layer
 /// within a chunk as a prefill engine runs them.
+/// Host seconds spent queueing the last [`run`] pass (the rest of its time is the device's).
+static ENQUEUE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn enqueue_secs() -> f64 {
+    f64::from_bits(ENQUEUE.load(std::sync::atomic::Ordering::Relaxed))
+}
+
 fn run(
     m: &Arc<GpuModel>,
     x: &DeviceBuffer,
@@ -50,6 +57,7 @@ fn run(
             }
             start += c;
         }
+        ENQUEUE.store(t.elapsed().as_secs_f64().to_bits(), std::sync::atomic::Ordering::Relaxed);
         g.synchronize().unwrap();
         t.elapsed().as_secs_f64()
     };
@@ -167,6 +175,27 @@ fn main() {
         }
     };
 
+    // Ablation: the fused v4_post kernel instead of the separate kernels (the default).
+    if std::env::var("PD_BRIDGE_BENCH_ABLATE").is_ok_and(|v| v == "1") {
+        for &c in &chunks {
+            std::env::set_var("PD_BRIDGE_GPU_FUSED", "1");
+            let fused = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
+            let fq = enqueue_secs();
+            std::env::remove_var("PD_BRIDGE_GPU_FUSED");
+            let high = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
+            let hq = enqueue_secs();
+            let g = run(&m, &x, tokens, c, step, GemmMode::TensorCore, true);
+            let gq = enqueue_secs();
+            println!(
+                "ablation chunk {c}: fused v4_post {fused:.0} tok/s (host queueing {:.1} ms); separate kernels (default) {high:.0} tok/s (host queueing {:.1} ms of {:.1} ms); GEMMs alone: host queueing {:.1} ms of {:.1} ms",
+                fq * 1e3,
+                hq * 1e3,
+                tokens as f64 / high * 1e3,
+                gq * 1e3,
+                g * 1e3
+            );
+        }
+    }
     println!();
     println!("| chunk | this path (tensor-core GEMM) | % roofline | capture engine (+ D2H, segments) | GEMMs alone | this path, exact GEMM | eager torch | roofline |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");

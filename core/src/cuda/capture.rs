@@ -156,90 +156,132 @@ impl GpuCapture {
     /// Take in every finished chunk (all of them, waiting, if `wait`) and return the block parts
     /// they complete, in order.
     pub fn poll(&mut self, wait: bool) -> Result<Vec<GpuPart>> {
-        let mut parts = vec![];
-        if !self.pending.is_empty() {
-            self.cache.model.dev.bind()?;
+        if self.pending.is_empty() {
+            return Ok(vec![]);
         }
+        self.cache.model.dev.bind()?;
+        let mut done = vec![];
         while let Some(p) = self.pending.front() {
             if wait {
                 p.done.wait()?;
             } else if !p.done.done()? {
                 break;
             }
-            let p = self.pending.pop_front().expect("front exists");
-            // SAFETY: the copies into `host` finished (event above); `spans` lie inside it.
-            let data: Vec<&[bf16]> =
-                p.spans.iter().map(|&(o, n)| unsafe { std::slice::from_raw_parts(p.host.ptr.add(o * 2) as *const bf16, n) }).collect();
-            self.take_in(p.layer, p.start, p.end, &data, &mut parts);
-            self.spare.push(p.host);
+            done.push(self.pending.pop_front().expect("front exists"));
         }
+        // Each layer's mirror is independent: take the finished chunks in per layer, in order,
+        // on as many threads as there are layers with work (a prompt's worth of window rows is
+        // copied once here, from page-locked memory into the segments).
+        let mut by_layer: Vec<Vec<&Pending>> = (0..self.mirrors.len()).map(|_| vec![]).collect();
+        for p in &done {
+            by_layer[p.layer].push(p);
+        }
+        let bytes: usize = done.iter().map(|p| p.spans.iter().map(|s| s.1).sum::<usize>() * 2).sum();
+        let (bs, steps) = (self.block_size, self.steps);
+        let work = |m: &mut Mirror, ps: &[&Pending]| -> Vec<GpuPart> {
+            let mut parts = vec![];
+            for p in ps {
+                // SAFETY: the copies into `host` finished (event above); `spans` lie inside it.
+                let data: Vec<&[bf16]> =
+                    p.spans.iter().map(|&(o, n)| unsafe { std::slice::from_raw_parts(p.host.ptr.add(o * 2) as *const bf16, n) }).collect();
+                take_in(m, bs, steps, p.layer, p.start, p.end, &data, &mut parts);
+            }
+            parts
+        };
+        let mut parts = vec![];
+        if bytes < (8 << 20) {
+            for (m, ps) in self.mirrors.iter_mut().zip(&by_layer) {
+                parts.extend(work(m, ps));
+            }
+        } else {
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = self.mirrors.iter_mut().zip(&by_layer).filter(|(_, ps)| !ps.is_empty()).map(|(m, ps)| sc.spawn(|| work(m, ps))).collect();
+                for h in hs {
+                    parts.extend(h.join().expect("mirror thread"));
+                }
+            });
+        }
+        self.spare.extend(done.into_iter().map(|p| p.host));
         Ok(parts)
     }
+}
 
-    fn take_in(&mut self, layer: usize, start: usize, end: usize, data: &[&[bf16]], parts: &mut Vec<GpuPart>) {
-        let bs = self.block_size;
-        let steps = self.steps;
-        match &mut self.mirrors[layer] {
-            Mirror::V4 { hd, size, ratio, retain, hist, pools } => {
-                let hd = *hd;
-                // Window rows of tokens [start - hist_rows, end).
-                let hist_rows = hist.len() / hd;
-                let mut all = std::mem::take(hist);
-                all.extend_from_slice(data[0]);
-                let first_tok = start - hist_rows;
-                for (pm, rows) in pools.iter_mut().zip(&data[1..]) {
-                    pm.rows.extend_from_slice(rows);
+/// Fold one finished chunk of `layer` into its host mirror; push the block parts it completes.
+#[allow(clippy::too_many_arguments)]
+fn take_in(m: &mut Mirror, bs: usize, steps: DecoderSteps, layer: usize, start: usize, end: usize, data: &[&[bf16]], parts: &mut Vec<GpuPart>) {
+    match m {
+        Mirror::V4 { hd, size, ratio, retain, hist, pools } => {
+            let hd = *hd;
+            // Window rows: `hist` holds tokens [start - hist_rows, start), data[0] [start, end).
+            let first_tok = start - hist.len() / hd;
+            let win = data[0];
+            let rows_of = |hist: &[bf16], t0: usize, t1: usize| -> Vec<bf16> {
+                let mut v = Vec::with_capacity((t1 - t0) * hd);
+                if t0 < start {
+                    v.extend_from_slice(&hist[(t0 - first_tok) * hd..(t1.min(start) - first_tok) * hd]);
                 }
-                let mut b = (start / bs + 1) * bs;
-                while b <= end {
-                    let n = if *ratio != 0 {
-                        // MLX's rotating buffer: every row of the current decoder call plus up to
-                        // size - 1 before it (V4LayerState::block_view).
-                        let call_start = steps.call_of(b - 1) * steps.step;
-                        b.min(*size - 1 + (b - call_start))
-                    } else {
-                        b.min(*size)
-                    };
-                    let w = all[(b - n - first_tok) * hd..(b - first_tok) * hd].to_vec();
-                    let mut shapes = vec![shape(hd, &w)];
-                    let mut arrays = vec![w];
-                    let mut pool_starts = vec![];
-                    for pm in pools.iter_mut() {
-                        let od = if pm.ratio == 4 { 2 * pm.width } else { pm.width };
-                        // block_size is a multiple of the ratio: no remainder rows at a boundary.
-                        shapes.push(ArrayShape { rows: 0, width: od as u32 });
-                        shapes.push(ArrayShape { rows: 0, width: od as u32 });
-                        arrays.push(vec![]);
-                        arrays.push(vec![]);
-                        let upto = b / pm.ratio;
-                        let take = (upto - pm.first) * pm.width;
-                        let rows: Vec<bf16> = pm.rows.drain(..take).collect();
-                        shapes.push(shape(pm.width, &rows));
-                        arrays.push(rows);
-                        pool_starts.push(pm.first as u64);
-                        pm.first = upto;
-                    }
-                    let kind = LayerKind::V4 { offset: b as u64, sliding_window: *size as u32, ratio: *ratio as u32, pool_starts };
-                    parts.push(GpuPart { layer, block: b / bs - 1, header: LayerHeader { kind, arrays: shapes }, arrays });
-                    b += bs;
+                if t1 > start {
+                    v.extend_from_slice(&win[(t0.max(start) - start) * hd..(t1 - start) * hd]);
                 }
-                let have = all.len() / hd;
-                let keep = have.min(*retain);
-                all.drain(..(have - keep) * hd);
-                *hist = all;
+                v
+            };
+            for (pm, rows) in pools.iter_mut().zip(&data[1..]) {
+                pm.rows.extend_from_slice(rows);
             }
-            Mirror::Mla { rank, rd, latent, kpe, base } => {
-                latent.extend_from_slice(data[0]);
-                kpe.extend_from_slice(data[1]);
-                let mut b = (start / bs + 1) * bs;
-                while b <= end {
-                    let k: Vec<bf16> = latent.drain(..(b - *base) * *rank).collect();
-                    let v: Vec<bf16> = kpe.drain(..(b - *base) * *rd).collect();
-                    *base = b;
-                    let header = LayerHeader { kind: LayerKind::Kv, arrays: vec![shape(*rank, &k), shape(*rd, &v)] };
-                    parts.push(GpuPart { layer, block: b / bs - 1, header, arrays: vec![k, v] });
-                    b += bs;
+            let mut b = (start / bs + 1) * bs;
+            while b <= end {
+                let n = if *ratio != 0 {
+                    // MLX's rotating buffer: every row of the current decoder call plus up to
+                    // size - 1 before it (V4LayerState::block_view).
+                    let call_start = steps.call_of(b - 1) * steps.step;
+                    b.min(*size - 1 + (b - call_start))
+                } else {
+                    b.min(*size)
+                };
+                let w = rows_of(hist, b - n, b);
+                let mut shapes = vec![shape(hd, &w)];
+                let mut arrays = vec![w];
+                let mut pool_starts = vec![];
+                for pm in pools.iter_mut() {
+                    let od = if pm.ratio == 4 { 2 * pm.width } else { pm.width };
+                    // block_size is a multiple of the ratio: no remainder rows at a boundary.
+                    shapes.push(ArrayShape { rows: 0, width: od as u32 });
+                    shapes.push(ArrayShape { rows: 0, width: od as u32 });
+                    arrays.push(vec![]);
+                    arrays.push(vec![]);
+                    let upto = b / pm.ratio;
+                    let take = (upto - pm.first) * pm.width;
+                    let rows: Vec<bf16> = pm.rows.drain(..take).collect();
+                    shapes.push(shape(pm.width, &rows));
+                    arrays.push(rows);
+                    pool_starts.push(pm.first as u64);
+                    pm.first = upto;
                 }
+                let kind = LayerKind::V4 { offset: b as u64, sliding_window: *size as u32, ratio: *ratio as u32, pool_starts };
+                parts.push(GpuPart { layer, block: b / bs - 1, header: LayerHeader { kind, arrays: shapes }, arrays });
+                b += bs;
+            }
+            // Keep the last `retain` rows.
+            let new = end - start;
+            if new >= *retain {
+                *hist = win[(new - *retain) * hd..].to_vec();
+            } else {
+                let drop = (hist.len() / hd + new).saturating_sub(*retain);
+                hist.drain(..drop * hd);
+                hist.extend_from_slice(win);
+            }
+        }
+        Mirror::Mla { rank, rd, latent, kpe, base } => {
+            latent.extend_from_slice(data[0]);
+            kpe.extend_from_slice(data[1]);
+            let mut b = (start / bs + 1) * bs;
+            while b <= end {
+                let k: Vec<bf16> = latent.drain(..(b - *base) * *rank).collect();
+                let v: Vec<bf16> = kpe.drain(..(b - *base) * *rd).collect();
+                *base = b;
+                let header = LayerHeader { kind: LayerKind::Kv, arrays: vec![shape(*rank, &k), shape(*rd, &v)] };
+                parts.push(GpuPart { layer, block: b / bs - 1, header, arrays: vec![k, v] });
+                b += bs;
             }
         }
     }

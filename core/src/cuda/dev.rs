@@ -22,13 +22,7 @@ pub(crate) fn ck(what: &str, r: sys::CUresult) -> Result<()> {
 }
 
 const SRC: &str = include_str!("kernels.cu");
-const KERNELS: [&str; 5] = [
-    "gemm_exact",
-    "norm_rope",
-    "pool_overlap",
-    "pool_simple",
-    "gather_rows",
-];
+const KERNELS: [&str; 6] = ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows", "v4_post"];
 
 /// Whether a CUDA driver with at least one device can be loaded here.
 pub fn cuda_available() -> bool {
@@ -98,11 +92,8 @@ impl GpuDevice {
         for k in KERNELS {
             let name_c = CString::new(k).unwrap();
             let mut f = std::ptr::null_mut();
-            if unsafe { sys::cuModuleGetFunction(&mut f, module, name_c.as_ptr()) }
-                == sys::CUresult::CUDA_SUCCESS
-            {
-                funcs.insert(k, f);
-            }
+            ck(k, unsafe { sys::cuModuleGetFunction(&mut f, module, name_c.as_ptr()) })?;
+            funcs.insert(k, f);
         }
         Ok(GpuDevice {
             ctx,
@@ -271,6 +262,18 @@ impl Stream {
         })?;
         Ok(Stream(s))
     }
+    /// A non-blocking stream at the device's highest priority: its kernels are scheduled ahead
+    /// of queued GEMM blocks, so they fill the gaps instead of waiting behind them.
+    pub fn high_priority() -> Result<Self> {
+        let (mut least, mut greatest) = (0i32, 0i32);
+        ck("stream priorities", unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) })?;
+        let mut s = std::ptr::null_mut();
+        ck("creating a stream", unsafe {
+            sys::cuStreamCreateWithPriority(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest)
+        })?;
+        Ok(Stream(s))
+    }
+
     pub fn sync(&self) -> Result<()> {
         ck("synchronising the side stream", unsafe {
             sys::cuStreamSynchronize(self.0)
@@ -357,30 +360,22 @@ impl Drop for Pinned {
 
 /// Kernel arguments, each stored in its own 8-byte cell (every parameter here is ≤ 8 bytes).
 #[derive(Default)]
-pub(crate) struct Args(Vec<Box<u64>>);
+pub(crate) struct Args(Vec<Box<[u64]>>);
 
 impl Args {
     pub fn new() -> Self {
         Args(Vec::with_capacity(16))
     }
+    /// One parameter, by value (any `repr(C)` value; the kernel reads its declared size).
     pub fn p<T: Copy>(mut self, v: T) -> Self {
-        assert!(std::mem::size_of::<T>() <= 8);
-        let mut b = Box::new(0u64);
-        // SAFETY: T is Copy and fits in the cell; the kernel reads exactly size_of::<T>() bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                &v as *const T as *const u8,
-                &mut *b as *mut u64 as *mut u8,
-                std::mem::size_of::<T>(),
-            )
-        };
+        let n = std::mem::size_of::<T>();
+        let mut b = vec![0u64; n.div_ceil(8).max(1)].into_boxed_slice();
+        // SAFETY: T is Copy and the cell holds at least size_of::<T>() bytes, 8-aligned.
+        unsafe { std::ptr::copy_nonoverlapping(&v as *const T as *const u8, b.as_mut_ptr() as *mut u8, n) };
         self.0.push(b);
         self
     }
     pub fn ptrs(&mut self) -> Vec<*mut c_void> {
-        self.0
-            .iter_mut()
-            .map(|b| &mut **b as *mut u64 as *mut c_void)
-            .collect()
+        self.0.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect()
     }
 }

@@ -247,3 +247,147 @@ extern "C" __global__ void gather_rows(const bf16* y, long long ys, int ycol, lo
     const bf16* s = row_of(R, t0 + i);
     for (int c = threadIdx.x; c < sw; c += blockDim.x) dst[(long long)i * sw + c] = s[c];
 }
+
+// ---------------------------------------------------------------------------------------------
+// One launch per layer and chunk for everything after a DeepSeek-V4 layer's projection: the
+// window rows, each compressor's pooled rows (pool, rms_norm and rope fused per window), the new
+// compressor stashes and the retained window. Blocks pick their task from their index. Same
+// arithmetic, operation for operation, as the separate kernels above.
+
+struct PostComp {
+    const float* ape; const bf16* norm; const float* inv;
+    const bf16* stash; bf16* new_stash; bf16* out;
+    long long seq0, base0, t0_keep, pos0;
+    int ycol, ratio, hd, od, W, keep, pairs, pad;
+};
+
+struct Post {
+    const bf16* y; const bf16* kv_norm; const float* win_inv;
+    bf16* chunk_win; bf16* win_new; const bf16* win_old;
+    long long ys, start, win_pos0;
+    int step, hd, win_pairs, nw, first, from_old, old_skip, from_new, ncomp, pad;
+    float eps, pad2;
+    PostComp comp[2];
+};
+
+// rms_norm (optional) and rope of the row in shared `v` (dim values), written to d1 (and d2).
+__device__ void block_norm_rope(float* v, float* sq, float* nrm, int dim, const bf16* weight, float eps, int do_norm,
+                                const float* inv_freq, int rope_pairs, float pos, bf16* d1, bf16* d2) {
+    if (do_norm) {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) sq[i] = v[i] * v[i];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float ss = 0.0f;
+            for (int i = 0; i < dim; i++) ss += sq[i];
+            float mean = ss / (float)dim;
+            *nrm = 1.0f / sqrtf(mean + eps);
+        }
+        __syncthreads();
+        float n = *nrm;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            float y = rndf(v[i] * n);
+            v[i] = rndf(y * widen(weight[i]));
+        }
+        __syncthreads();
+    }
+    int pairs = dim / 2;
+    int nope = pairs - rope_pairs;
+    for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+        float x1 = v[2 * j], x2 = v[2 * j + 1];
+        bf16 o1, o2;
+        if (j < nope) {
+            o1 = rnd(x1 - x2 * 0.0f);
+            o2 = rnd(x1 * 0.0f + x2);
+        } else {
+            float theta = pos * inv_freq[j - nope];
+            double sd, cd;
+            sincos((double)theta, &sd, &cd);
+            float c = rndf((float)cd), sn = rndf((float)sd);
+            float a = rndf(x1 * c), b = rndf(x2 * sn), e = rndf(x1 * sn), f = rndf(x2 * c);
+            o1 = rnd(a - b);
+            o2 = rnd(e + f);
+        }
+        if (d1) { d1[2 * j] = o1; d1[2 * j + 1] = o2; }
+        if (d2) { d2[2 * j] = o1; d2[2 * j + 1] = o2; }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) v4_post(const Post P) {
+    __shared__ float v[1024];
+    __shared__ float sq[1024];
+    __shared__ float nrm;
+    long long b = blockIdx.x;
+    // 1. Old window rows kept.
+    if (b < P.from_old) {
+        const bf16* s = P.win_old + (P.old_skip + b) * (long long)P.hd;
+        bf16* d = P.win_new + b * (long long)P.hd;
+        for (int i = threadIdx.x; i < P.hd; i += blockDim.x) d[i] = s[i];
+        return;
+    }
+    b -= P.from_old;
+    // 2. Window rows of the chunk: kv_norm(wkv(x)) rotated at their positions.
+    if (b < P.nw) {
+        const bf16* s = P.y + (P.first + b) * P.ys;
+        for (int i = threadIdx.x; i < P.hd; i += blockDim.x) v[i] = widen(s[i]);
+        __syncthreads();
+        bf16* d1 = P.chunk_win ? P.chunk_win + b * (long long)P.hd : 0;
+        long long keep_from = P.nw - P.from_new;
+        bf16* d2 = b >= keep_from ? P.win_new + (P.from_old + b - keep_from) * (long long)P.hd : 0;
+        block_norm_rope(v, sq, &nrm, P.hd, P.kv_norm, P.eps, 1, P.win_inv, P.win_pairs, (float)(P.win_pos0 + b), d1, d2);
+        return;
+    }
+    b -= P.nw;
+    for (int ci = 0; ci < P.ncomp; ci++) {
+        const PostComp& C = P.comp[ci];
+        Rows R = {P.y, P.ys, C.ycol, P.start, C.stash, C.seq0, 2 * C.od};
+        // 3. Pooled rows (ratio 4; other ratios pool in pool_simple + norm_rope, W = 0 here):
+        //    one window per block, then its rms_norm and rope.
+        if (b < C.W) {
+            long long base = C.base0 + b * C.ratio;
+            int hd = C.hd, od = C.od;
+            if (C.ratio == 4) {
+                const int r = 4;
+                bool prev = base > 0 && ((base - 1) / P.step) == ((base + r - 1) / P.step);
+                for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+                    float vals[8], kvs[8];
+#pragma unroll
+                    for (int k = 0; k < r; k++) {
+                        if (prev) {
+                            const bf16* p = row_of(R, base - r + k);
+                            vals[k] = rndf(widen(p[od + c]) + rndf(C.ape[k * od + c]));
+                            kvs[k] = widen(p[c]);
+                        } else {
+                            vals[k] = __int_as_float(0xff800000);
+                            kvs[k] = 0.0f;
+                        }
+                        const bf16* q = row_of(R, base + k);
+                        vals[r + k] = rndf(widen(q[od + hd + c]) + rndf(C.ape[k * od + hd + c]));
+                        kvs[r + k] = widen(q[hd + c]);
+                    }
+                    float m = __int_as_float(0xff800000);
+#pragma unroll
+                    for (int k = 0; k < 2 * r; k++) m = fmaxf(m, vals[k]);
+                    float e[8], norm = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < 2 * r; k++) { e[k] = mlx_exp(vals[k] - m); norm += e[k]; }
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < 2 * r; k++) acc += rndf(kvs[k] * rndf(e[k] / norm));
+                    v[c] = rndf(acc);
+                }
+            }
+            __syncthreads();
+            block_norm_rope(v, sq, &nrm, hd, C.norm, P.eps, 1, C.inv, C.pairs, (float)(C.pos0 + b), C.out + b * (long long)hd, 0);
+            return;
+        }
+        b -= C.W;
+        // 4. The new stash: raw rows of tokens [t0_keep, t0_keep + keep).
+        if (b < C.keep) {
+            const bf16* s = row_of(R, C.t0_keep + b);
+            int sw = 2 * C.od;
+            for (int c = threadIdx.x; c < sw; c += blockDim.x) C.new_stash[b * sw + c] = s[c];
+            return;
+        }
+        b -= C.keep;
+    }
+}
