@@ -211,6 +211,28 @@ def test_fingerprint_mismatch_is_declined_and_writes_nothing(work, model, vllm):
         assert c["bridged_blocks"] == 0 and c["bytes_written"] == 0 and c["verdicts"]["declined"] == 1
 
 
+def test_client_gone_mid_bridge_stops_it_and_oMLX_stays_healthy(model, bridged):
+    import http.client
+
+    prompt = E.text_of_tokens(model, 6000, seed=61)
+    before = len(O.block_files(bridged.cache_dir))
+    conn = http.client.HTTPConnection("127.0.0.1", bridged.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": bridged.model, "prompt": prompt, "max_tokens": 4, "stream": True}), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 120
+    while len(O.block_files(bridged.cache_dir)) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.close()  # the client goes away while blocks are streaming in
+    deadline = time.monotonic() + 60
+    while "cancelled by the client" not in O._log_text(bridged) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "cancelled by the client" in O._log_text(bridged)
+    assert json.loads(E._get(f"{bridged.base_url}/health"))["status"] == "healthy"
+    short, _ = O.prompt_of_tokens(model.omlx_dir, 300, seed=62)
+    resp, headers, _ = E.completion(bridged, short, max_tokens=4)
+    assert headers["x-pd-bridge"].startswith("native;") and answer(resp)
+    assert_all_blocks_valid(bridged)
+
+
 def test_prefill_killed_mid_stream_is_partial_or_declined(model, vllm, bridged, native):
     prompt = E.text_of_tokens(model, 6000, seed=41)
     before = len(O.block_files(bridged.cache_dir))
@@ -236,7 +258,7 @@ def test_prefill_killed_mid_stream_is_partial_or_declined(model, vllm, bridged, 
 
 
 def test_prefill_host_down_is_declined(model, vllm, bridged, native):
-    assert vllm.process.poll() is not None, "runs after the kill above"
+    E.kill(vllm.process)  # already dead after the test above; killed here when run alone
     prompt = E.text_of_tokens(model, LONG, seed=51)
     resp, headers, _ = E.completion(bridged, prompt, max_tokens=ANSWER_TOKENS)
     assert headers["x-pd-bridge"].startswith('declined; reason="prefill host unhealthy:'), headers["x-pd-bridge"]
