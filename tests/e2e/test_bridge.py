@@ -194,6 +194,7 @@ def test_doctor_checks_every_link(model, vllm, bridged):
     ok = subprocess.run([*E._pd_bridge_cli(), "doctor", "--model-dir", str(model.omlx_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "round trip: 1 block of 256 tokens" in ok.stdout and "all links ok" in ok.stdout
+    assert "ok    vLLM: 0.32.0" in ok.stdout, ok.stdout
     bad = subprocess.run([*E._pd_bridge_cli(), "doctor", "--model-dir", str(model.omlx_dir)], env={**env, "PD_BRIDGE_TOKEN": "wrong"}, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "unauthorized" in bad.stdout and "same PD_BRIDGE_TOKEN" in bad.stdout, bad.stdout
 

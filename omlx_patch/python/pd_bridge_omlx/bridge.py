@@ -79,6 +79,9 @@ class PrefillHost:
             self._model = models[0]["id"]
         return self._model
 
+    def version(self) -> str:
+        return str(_http(f"{self.cfg.prefill_url}/version", None, timeout=5.0).get("version", "unknown"))
+
     def prefill(self, token_ids: list[int], capture: dict, timeout: float) -> dict:
         body = {
             "model": self.model(),
@@ -96,7 +99,7 @@ class Bridge:
         self.config_error = config_error
         self.host = PrefillHost(cfg) if cfg is not None else None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pd-bridge")
-        self._fingerprints: dict[str, str] = {}
+        self._fingerprints: dict[str, str | Exception] = {}
 
     @classmethod
     def from_env(cls) -> "Bridge":
@@ -117,11 +120,18 @@ class Bridge:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def fingerprint(self, weights_dir: str) -> str:
-        fp = self._fingerprints.get(weights_dir)
-        if fp is None:
-            fp = Weights.load(weights_dir).fingerprint
-            self._fingerprints[weights_dir] = fp
-        return fp
+        # Cached, failures too: a running oMLX's weights do not change, and loading them again
+        # for every long prompt would only repeat the same error slowly.
+        got = self._fingerprints.get(weights_dir)
+        if got is None:
+            try:
+                got = Weights.load(weights_dir).fingerprint
+            except Exception as e:
+                got = e
+            self._fingerprints[weights_dir] = got
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     @staticmethod
     def _cached_blocks(pcm, ssd, ids: list[int], nblocks: int, block_size: int) -> int:

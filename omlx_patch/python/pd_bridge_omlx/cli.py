@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# What pd-bridge-vllm accepts (it refuses other versions at vLLM start).
+SUPPORTED_VLLM = ("0.32.0",)
+
 
 def _export(args) -> int:
     from ._native import PdBridgeError, export_weights
@@ -94,6 +97,11 @@ def _doctor(args) -> int:
         host.check_health()
         d.ok("prefill host health", f"{cfg.prefill_url}/health")
         d.ok("prefill model", host.model())
+        version = host.version()
+        if version.split("+")[0] in SUPPORTED_VLLM:
+            d.ok("vLLM", version)
+        else:
+            d.fail("vLLM", f"version {version}", f"pd-bridge-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}: install it on the prefill host")
     except PrefillUnavailable as e:
         d.fail("prefill host", str(e), "start vLLM with the pd-bridge connector there, or correct PD_BRIDGE_PREFILL_URL")
         print(f"{d.failures} problem(s)")
