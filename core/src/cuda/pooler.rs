@@ -108,8 +108,9 @@ pub struct GpuModel {
 impl GpuModel {
     /// Upload `weights` to device `ordinal` (once per process and fingerprint: later calls share it).
     pub fn shared(weights: Arc<DecoderWeights>, ordinal: usize) -> Result<Arc<GpuModel>> {
-        type Key = (String, usize);
-        static MODELS: OnceLock<Mutex<Vec<(Key, Arc<GpuModel>)>>> = OnceLock::new();
+        /// (fingerprint, device) → the resident model.
+        type Registry = Mutex<Vec<((String, usize), Arc<GpuModel>)>>;
+        static MODELS: OnceLock<Registry> = OnceLock::new();
         let mut m = MODELS
             .get_or_init(Default::default)
             .lock()
