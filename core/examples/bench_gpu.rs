@@ -178,6 +178,10 @@ fn main() {
     // Ablation: the fused v4_post kernel instead of the separate kernels (the default).
     if std::env::var("PD_BRIDGE_BENCH_ABLATE").is_ok_and(|v| v == "1") {
         for &c in &chunks {
+            std::env::set_var("PD_BRIDGE_GPU_SLOTS", "4");
+            let four = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
+            std::env::remove_var("PD_BRIDGE_GPU_SLOTS");
+            println!("ablation chunk {c}: 4 projection slots {four:.0} tok/s");
             std::env::set_var("PD_BRIDGE_GPU_FUSED", "1");
             let fused = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
             let fq = enqueue_secs();

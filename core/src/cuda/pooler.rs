@@ -342,12 +342,12 @@ pub struct GpuCache {
     mode: GemmMode,
     pub window_rows: WindowRows,
     cublas: cb::cublasHandle_t,
-    /// Projection outputs, double-buffered: layer L's kernels (on `post`) overlap layer L+1's
-    /// GEMM (on `stream`).
-    y: [DevBuf; 2],
+    /// Projection outputs, a ring of slots: layer L's kernels (on `post`) overlap the GEMMs of
+    /// the layers after it (on `stream`).
+    y: Vec<DevBuf>,
     slot: usize,
-    ev_gemm: [Event; 2],
-    ev_post: [Event; 2],
+    ev_gemm: Vec<Event>,
+    ev_post: Vec<Event>,
     xbuf: DevBuf,
     wtmp: DevBuf,
     ptmp: DevBuf,
@@ -383,6 +383,9 @@ impl Drop for GpuCache {
 
 impl GpuCache {
     pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, mode: GemmMode) -> Result<Self> {
+        // PD_BRIDGE_GPU_SLOTS: projection-output slots (default 2, at least 2; 4 measured no
+        // faster on the H200).
+        let slots = std::env::var("PD_BRIDGE_GPU_SLOTS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(2);
         model.dev.bind()?;
         let stream = Stream::new()?;
         let post = if std::env::var("PD_BRIDGE_GPU_POST_PRIORITY").is_ok_and(|v| v == "0") { Stream::new()? } else { Stream::high_priority()? };
@@ -430,10 +433,10 @@ impl GpuCache {
             steps,
             mode,
             window_rows: WindowRows::Retained,
-            y: [DevBuf::empty(stream.0), DevBuf::empty(stream.0)],
+            y: (0..slots).map(|_| DevBuf::empty(stream.0)).collect(),
             slot: 0,
-            ev_gemm: [Event::new()?, Event::new()?],
-            ev_post: [Event::new()?, Event::new()?],
+            ev_gemm: (0..slots).map(|_| Event::new()).collect::<Result<_>>()?,
+            ev_post: (0..slots).map(|_| Event::new()).collect::<Result<_>>()?,
             xbuf: DevBuf::empty(stream.0),
             wtmp: DevBuf::empty(s),
             ptmp: DevBuf::empty(s),
@@ -640,10 +643,11 @@ impl GpuCache {
         let hidden = model.hidden;
         let s = self.post.0;
         let (w, ntot) = model.layers[layer].w();
-        // Double-buffered projection output: wait until the kernels that last read this slot
-        // are done, project on the side stream, then hand the slot to the post stream.
+        // Projection outputs in a ring of slots: wait until the kernels that last read this slot
+        // are done, project on the side stream, then hand the slot to the post stream. More
+        // than two slots let the GEMMs run ahead of the (latency-bound) kernels.
         let slot = self.slot;
-        self.slot ^= 1;
+        self.slot = (self.slot + 1) % self.y.len();
         ck("ordering", unsafe { sys::cuStreamWaitEvent(self.stream.0, self.ev_post[slot].0, 0) })?;
         self.y[slot].reserve(rows * ntot * BF)?;
         let y = self.y[slot].ptr;
