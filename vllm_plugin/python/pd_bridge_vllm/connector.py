@@ -28,6 +28,7 @@ vLLM finished, as aborted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -150,6 +151,10 @@ class _WorkerCapture:
     sealed: str | None = None
 
 
+# `_WorkerCapture.sealed` while the sealer thread seals it.
+_SEALING = "sealing"
+
+
 def _setting(extra: dict, key: str, env: str, default=None):
     v = extra.get(key)
     if v is None:
@@ -249,6 +254,7 @@ class PdBridgeConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._server = None
         self._weights = None
+        self._sealer: concurrent.futures.ThreadPoolExecutor | None = None
         rank, world = 0, 1
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -427,12 +433,28 @@ class PdBridgeConnector(KVConnectorBase_V1):
     def _seal(self, req_id: str, wc: _WorkerCapture, failure: str | None) -> None:
         if wc.sealed is not None:
             return
-        if wc.capture is None:
-            verdict = json.dumps({"verdict": "aborted", "blocks": 0, "reason": failure})
-        else:
-            verdict = wc.capture.seal(failure)
-        wc.sealed = verdict
         t0 = getattr(self, "_step_end", None)
+        if wc.capture is not None and getattr(wc.capture, "pending", 0):
+            # GPU work of this capture is still in flight and sealing waits for it (event by
+            # event), so it happens on the sealer thread: the forward thread goes on.
+            wc.sealed = _SEALING
+            if self._sealer is None:
+                self._sealer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-bridge-seal")
+            self._sealer.submit(self._finish_seal, req_id, wc, failure, t0)
+            return
+        self._finish_seal(req_id, wc, failure, t0)
+
+    def _finish_seal(self, req_id: str, wc: _WorkerCapture, failure: str | None, t0: float | None) -> None:
+        try:
+            if wc.capture is None:
+                verdict = json.dumps({"verdict": "aborted", "blocks": 0, "reason": failure})
+            else:
+                verdict = wc.capture.seal(failure)
+        except Exception as e:  # the decode host then sees a broken stream and falls back
+            logger.error("pd-bridge: capture %s (request %s) could not be sealed: %s", wc.spec.request_id, req_id, e)
+            wc.sealed = "error"
+            return
+        wc.sealed = verdict
         # From wait_for_save's entry (end of the step that ran the last prompt chunk) to sealed.
         # The wall-clock end of that step too: a benchmark on one machine compares it with when
         # the decode host could continue.
@@ -455,6 +477,8 @@ class PdBridgeConnector(KVConnectorBase_V1):
             for req_id, wc in list(self._captures.items()):
                 self._seal(req_id, wc, "vLLM shut down")
             self._captures.clear()
+            if self._sealer is not None:
+                self._sealer.shutdown(wait=True)
             if tap._sink is self:
                 tap.set_sink(None)
 
