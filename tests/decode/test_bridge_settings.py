@@ -51,8 +51,8 @@ def test_misconfigured_bridge_serves_natively_and_says_why(monkeypatch):
             monkeypatch.delenv(k)
     monkeypatch.setenv("PD_BRIDGE_PREFILL_URL", "http://gpu-box:8000")
     bridge = Bridge.from_env()  # no token
-    verdict, nbytes = asyncio.run(bridge.prepare(None, "any prompt", "req-1", multimodal=False))
-    assert verdict.kind == "native" and nbytes == 0
+    verdict, nbytes, ids = asyncio.run(bridge.prepare(None, "any prompt", "req-1", multimodal=False))
+    assert verdict.kind == "native" and nbytes == 0 and ids is None
     assert verdict.header().startswith('native; reason="bridge misconfigured: PD_BRIDGE_TOKEN')
 
 

@@ -131,6 +131,10 @@ def test_short_prompt_is_native(model, bridged, native):
     assert headers["x-pd-bridge"] == 'native; reason="prompt of 300 tokens is under PD_BRIDGE_MIN_PROMPT_TOKENS=1024"'
     assert E.cached_tokens(resp) == 0
     assert answer(resp) == answer(E.completion(native, prompt, max_tokens=ANSWER_TOKENS)[0])
+    # Anthropic's API on the same port carries the verdict too.
+    body = {"model": bridged.model, "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]}
+    _, headers, _ = E.post(f"{bridged.base_url}/v1/messages", body)
+    assert headers["x-pd-bridge"].startswith("native; reason=\"prompt of "), headers["x-pd-bridge"]
 
 
 def test_chat_and_streaming_carry_the_verdict(model, bridged, native):

@@ -103,7 +103,9 @@ def install_bridge() -> None:
             bridge = get_bridge()
             verdict, nbytes = Verdict("native", "bridge did not run", request_id=request_id), 0
             try:
-                verdict, nbytes = await bridge.prepare(self, prompt, request_id, multimodal)
+                verdict, nbytes, ids = await bridge.prepare(self, prompt, request_id, multimodal)
+                if ids is not None:
+                    bound.arguments["prompt"] = ids  # what the blocks were keyed on, not a re-tokenization
             except Exception as e:  # never let the bridge fail a request
                 logger.exception("pd-bridge[%s]: bridge error", request_id)
                 verdict = Verdict("native", f"bridge error: {e}", request_id=request_id)

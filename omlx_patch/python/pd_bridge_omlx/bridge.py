@@ -146,26 +146,28 @@ class Bridge:
             parent = h
         return nblocks
 
-    async def prepare(self, engine_core, prompt, request_id: str, multimodal: bool) -> tuple[Verdict, int]:
-        """Decide and, when worth it, bridge. Returns the verdict and bytes written. Never
-        raises: any failure is a verdict, and oMLX then prefills natively."""
+    async def prepare(self, engine_core, prompt, request_id: str, multimodal: bool) -> tuple[Verdict, int, list[int] | None]:
+        """Decide and, when worth it, bridge. Returns the verdict, the bytes written and the
+        prompt's token ids (None when it was not tokenized here); oMLX is then handed exactly
+        those ids, so the blocks and its prefix lookup agree by construction. Never raises: any
+        failure is a verdict, and oMLX then prefills natively."""
         t0 = time.perf_counter()
         if self.cfg is None:
-            return native(f"bridge misconfigured: {self.config_error}" if self.config_error else "PD_BRIDGE_PREFILL_URL is not set", request_id), 0
+            return native(f"bridge misconfigured: {self.config_error}" if self.config_error else "PD_BRIDGE_PREFILL_URL is not set", request_id), 0, None
         if multimodal:
-            return native("multimodal request (only text prompts are bridged)", request_id), 0
+            return native("multimodal request (only text prompts are bridged)", request_id), 0, None
         scheduler = engine_core.scheduler
         pcm = getattr(scheduler, "paged_cache_manager", None)
         ssd = getattr(scheduler, "paged_ssd_cache_manager", None)
         if pcm is None or ssd is None:
-            return native("oMLX runs without an SSD prefix cache (start it with --paged-ssd-cache-dir)", request_id), 0
+            return native("oMLX runs without an SSD prefix cache (start it with --paged-ssd-cache-dir)", request_id), 0, None
         try:
             ids = await self._run(lambda: list(scheduler.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt])
         except Exception as e:  # the scheduler will report its own error for this prompt
-            return native(f"prompt could not be tokenized: {e}", request_id), 0
+            return native(f"prompt could not be tokenized: {e}", request_id), 0, None
         n, cfg = len(ids), self.cfg
         if n < cfg.min_prompt_tokens:
-            return native(f"prompt of {n} tokens is under PD_BRIDGE_MIN_PROMPT_TOKENS={cfg.min_prompt_tokens}", request_id), 0
+            return native(f"prompt of {n} tokens is under PD_BRIDGE_MIN_PROMPT_TOKENS={cfg.min_prompt_tokens}", request_id), 0, ids
         block_size = int(getattr(pcm, "block_size", 0) or scheduler.config.paged_cache_block_size)
         # Leave at least one token uncached: oMLX needs a token to feed for the first logit.
         nblocks = (n - 1) // block_size
@@ -173,23 +175,23 @@ class Bridge:
         uncached = (nblocks - cached) * block_size
         if uncached < cfg.min_uncached_tokens:
             what = f"prefix cached: {cached * block_size} of {n} tokens" if cached else f"{nblocks} full blocks of {block_size} tokens"
-            return native(f"{what}; {uncached} bridgeable uncached tokens is under PD_BRIDGE_MIN_UNCACHED_TOKENS={cfg.min_uncached_tokens}", request_id), 0
+            return native(f"{what}; {uncached} bridgeable uncached tokens is under PD_BRIDGE_MIN_UNCACHED_TOKENS={cfg.min_uncached_tokens}", request_id), 0, ids
 
         # From here a bridge is tried: failures are "declined" (or "partial").
         weights_dir = cfg.weights_dir or str(scheduler.config.model_name)
         try:
             fingerprint = await self._run(self.fingerprint, weights_dir)
         except Exception as e:
-            return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0
+            return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0, ids
         try:
             await self._run(self.host.check_health)
             await self._run(self.host.model)
         except PrefillUnavailable as e:
-            return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0
+            return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0, ids
         t_decided = time.perf_counter()
         verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id)
         verdict.phases["decide"] = t_decided - t0
-        return verdict, nbytes
+        return verdict, nbytes, ids
 
     async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id) -> tuple[Verdict, int]:
         cfg = self.cfg
