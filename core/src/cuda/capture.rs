@@ -137,7 +137,7 @@ impl GpuCapture {
             Some(i) => self.spare.swap_remove(i),
             None => Pinned::new(total.next_power_of_two().max(4096))?,
         };
-        let s = self.cache.post_stream();
+        let s = self.cache.post_stream(layer);
         let mut off = 0;
         let mut spans = vec![];
         for (ptr, elems) in outs {

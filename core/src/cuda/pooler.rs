@@ -349,8 +349,9 @@ pub struct GpuCache {
     ev_gemm: Vec<Event>,
     ev_post: Vec<Event>,
     xbuf: DevBuf,
-    wtmp: DevBuf,
-    ptmp: DevBuf,
+    /// Scratch for the kernels, one per post stream (layers on different streams run at once).
+    wtmp: Vec<DevBuf>,
+    ptmp: Vec<DevBuf>,
     layers: Vec<LayerRun>,
     order: Event,
     /// Benchmark switch: run the projections only (no window, pools or norms).
@@ -360,8 +361,11 @@ pub struct GpuCache {
     /// blocks are longer and it overlaps the next GEMM less), so off by default.
     pub fused: bool,
     /// Last: every buffer above is freed on one of these (stream-ordered) before they go.
-    /// `post` runs the kernels after the projections and owns the layer state.
-    post: Stream,
+    /// `post` runs the kernels after the projections and owns the layer state: layer L on
+    /// `post[L % post.len()]`. The layers' states are independent, so with several post streams
+    /// the small kernels of consecutive layers run concurrently instead of one after another
+    /// (`PD_BRIDGE_GPU_POST_STREAMS`); a layer's own work stays in order on its stream.
+    post: Vec<Stream>,
     /// The side stream: ordered after the producer, runs the projections.
     stream: Stream,
 }
@@ -376,20 +380,32 @@ impl Drop for GpuCache {
     fn drop(&mut self) {
         let _ = self.model.dev.bind();
         let _ = self.stream.sync();
-        let _ = self.post.sync();
+        for p in &self.post {
+            let _ = p.sync();
+        }
         unsafe { cb::cublasDestroy_v2(self.cublas) };
     }
 }
 
+/// Post streams when `PD_BRIDGE_GPU_POST_STREAMS` is unset. On the H200 (DeepSeek-V4-Flash
+/// shapes, 2048-token chunks) 1 stream gave 49% of the GEMM roofline, 4 gave 56%, 8 gave 58%
+/// at high priority and 60–61% at normal priority.
+const DEFAULT_POST_STREAMS: usize = 8;
+
 impl GpuCache {
     pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, mode: GemmMode) -> Result<Self> {
-        // PD_BRIDGE_GPU_SLOTS: projection-output slots (default 2, at least 2; 4 measured no
-        // faster on the H200).
-        let slots = std::env::var("PD_BRIDGE_GPU_SLOTS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(2);
+        // PD_BRIDGE_GPU_SLOTS: projection-output slots (at least one more than the post streams;
+        // 16 instead of 9 measured no faster on the H200).
+        let nposts = std::env::var("PD_BRIDGE_GPU_POST_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(DEFAULT_POST_STREAMS).clamp(1, 8);
+        // A slot is reused only when the kernels that read it are done: one more slot than post
+        // streams lets every post stream hold a layer while the GEMMs go on.
+        let slots = std::env::var("PD_BRIDGE_GPU_SLOTS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(2).max(nposts + 1);
         model.dev.bind()?;
         let stream = Stream::new()?;
-        let post = if std::env::var("PD_BRIDGE_GPU_POST_PRIORITY").is_ok_and(|v| v == "0") { Stream::new()? } else { Stream::high_priority()? };
-        let s = post.0;
+        // `PD_BRIDGE_GPU_POST_PRIORITY=1`: post streams at high priority (measured slower with
+        // several post streams: they then crowd out the GEMMs).
+        let high = std::env::var("PD_BRIDGE_GPU_POST_PRIORITY").is_ok_and(|v| v == "1");
+        let post = (0..nposts).map(|_| if high { Stream::high_priority() } else { Stream::new() }).collect::<Result<Vec<_>>>()?;
         let mut h = std::ptr::null_mut();
         let st = unsafe { cb::cublasCreate_v2(&mut h) };
         if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
@@ -402,7 +418,9 @@ impl GpuCache {
         let layers = model
             .layers
             .iter()
-            .map(|l| LayerRun {
+            .enumerate()
+            .map(|(i, l)| (l, post[i % nposts].0))
+            .map(|(l, s)| LayerRun {
                 processed: 0,
                 win: [DevBuf::empty(s), DevBuf::empty(s)],
                 cur: 0,
@@ -438,8 +456,8 @@ impl GpuCache {
             ev_gemm: (0..slots).map(|_| Event::new()).collect::<Result<_>>()?,
             ev_post: (0..slots).map(|_| Event::new()).collect::<Result<_>>()?,
             xbuf: DevBuf::empty(stream.0),
-            wtmp: DevBuf::empty(s),
-            ptmp: DevBuf::empty(s),
+            wtmp: post.iter().map(|p| DevBuf::empty(p.0)).collect(),
+            ptmp: post.iter().map(|p| DevBuf::empty(p.0)).collect(),
             stream,
             post,
             cublas: h,
@@ -455,10 +473,14 @@ impl GpuCache {
         self.stream.0 as u64
     }
 
-    /// The stream the layer state is updated on: work queued on it after a feed sees that feed's
-    /// results (device-to-host copies of the state, completion events).
-    pub(crate) fn post_stream(&self) -> sys::CUstream {
-        self.post.0
+    /// The stream `layer`'s state is updated on: work queued on it after a feed of that layer
+    /// sees the feed's results (device-to-host copies of the state, completion events).
+    pub(crate) fn post_stream(&self, layer: usize) -> sys::CUstream {
+        self.post[self.post_of(layer)].0
+    }
+
+    fn post_of(&self, layer: usize) -> usize {
+        layer % self.post.len()
     }
 
     pub fn processed(&self, layer: usize) -> Option<usize> {
@@ -473,7 +495,10 @@ impl GpuCache {
     pub fn synchronize(&self) -> Result<()> {
         self.model.dev.bind()?;
         self.stream.sync()?;
-        self.post.sync()
+        for p in &self.post {
+            p.sync()?;
+        }
+        Ok(())
     }
 
     /// Fold host rows (uploaded first): for tests and the CPU-fed path.
@@ -584,6 +609,7 @@ impl GpuCache {
     #[allow(clippy::too_many_arguments)]
     fn norm_rope(
         &self,
+        s: sys::CUstream,
         src: u64,
         src_stride: usize,
         dst: u64,
@@ -617,7 +643,7 @@ impl GpuCache {
             "norm_rope",
             (rows as u32, 1, 1),
             256,
-            self.post.0,
+            s,
             &mut a.ptrs(),
         )
     }
@@ -641,7 +667,7 @@ impl GpuCache {
         }
         let model = self.model.clone();
         let hidden = model.hidden;
-        let s = self.post.0;
+        let s = self.post_stream(layer);
         let (w, ntot) = model.layers[layer].w();
         // Projection outputs in a ring of slots: wait until the kernels that last read this slot
         // are done, project on the side stream, then hand the slot to the post stream. More
@@ -668,6 +694,7 @@ impl GpuCache {
     /// A V4 layer's post-projection work as one launch of `v4_post` (see kernels.cu).
     fn feed_post_fused(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
         let model = self.model.clone();
+        let pi = self.post_of(layer);
         let LayerDev::V4 { hd, size, eps, kv_norm, rope, comps, .. } = &model.layers[layer] else { unreachable!("V4 only") };
         let hd = *hd;
         let end = start + rows;
@@ -764,7 +791,7 @@ impl GpuCache {
             cr.pooled_rows += windows;
             blocks += post.comp[ci].w as usize + keep;
         }
-        let s = self.post.0;
+        let s = self.post_stream(layer);
         let mut a = Args::new().p(post);
         model.dev.launch("v4_post", (blocks as u32, 1, 1), 256, s, &mut a.ptrs())?;
         for (ci, pc) in simple {
@@ -773,8 +800,8 @@ impl GpuCache {
             if windows == 0 {
                 continue;
             }
-            self.ptmp.reserve(windows * c.hd * BF)?;
-            let out = self.ptmp.ptr;
+            self.ptmp[pi].reserve(windows * c.hd * BF)?;
+            let out = self.ptmp[pi].ptr;
             let mut a = Args::new()
                 .p(y)
                 .p(ntot as i64)
@@ -789,7 +816,7 @@ impl GpuCache {
                 .p(c.ape.ptr)
                 .p(out);
             model.dev.launch2("pool_simple", (c.hd.div_ceil(32) as u32, windows as u32, 1), (32, 8), s, &mut a.ptrs())?;
-            self.norm_rope(out, c.hd, pc.out, c.hd, windows, c.hd, Some((c.norm.ptr, *eps)), None, Some((&c.rope, pc.pos0 as usize)))?;
+            self.norm_rope(s, out, c.hd, pc.out, c.hd, windows, c.hd, Some((c.norm.ptr, *eps)), None, Some((&c.rope, pc.pos0 as usize)))?;
         }
         Ok(())
     }
@@ -800,7 +827,8 @@ impl GpuCache {
         if self.fused && matches!(model.layers[layer], LayerDev::V4 { .. }) {
             return self.feed_post_fused(layer, start, rows, y, ntot);
         }
-        let s = self.post.0;
+        let s = self.post_stream(layer);
+        let pi = self.post_of(layer);
         let end = start + rows;
         match &model.layers[layer] {
             LayerDev::V4 {
@@ -826,10 +854,11 @@ impl GpuCache {
                     lr.chunk_win_span = (start + first, nw);
                     lr.chunk_win.ptr
                 } else {
-                    self.wtmp.reserve(nw * hd * BF)?;
-                    self.wtmp.ptr
+                    self.wtmp[pi].reserve(nw * hd * BF)?;
+                    self.wtmp[pi].ptr
                 };
                 self.norm_rope(
+                    s,
                     y + (first * ntot * BF) as u64,
                     ntot,
                     dst,
@@ -886,8 +915,8 @@ impl GpuCache {
                     }
                     let ycol = c.col as i32;
                     if windows > 0 {
-                        self.ptmp.reserve(windows * c.hd * BF)?;
-                        let out = self.ptmp.ptr;
+                        self.ptmp[pi].reserve(windows * c.hd * BF)?;
+                        let out = self.ptmp[pi].ptr;
                         let grid = (c.hd.div_ceil(128) as u32, windows as u32, 1);
                         if overlap {
                             let mut a = Args::new()
@@ -937,6 +966,7 @@ impl GpuCache {
                         let dst = cr.pooled.ptr + (cr.pooled_rows * c.hd * BF) as u64;
                         cr.pooled_rows += windows;
                         self.norm_rope(
+                            s,
                             out,
                             c.hd,
                             dst,
@@ -997,6 +1027,7 @@ impl GpuCache {
                     lr.kpe.ptr + (held * rd * BF) as u64,
                 );
                 self.norm_rope(
+                    s,
                     y,
                     ntot,
                     lat,
@@ -1008,6 +1039,7 @@ impl GpuCache {
                     None,
                 )?;
                 self.norm_rope(
+                    s,
                     y + (rank * BF) as u64,
                     ntot,
                     kpe,
@@ -1026,15 +1058,16 @@ impl GpuCache {
     fn read(&self, ptr: u64, elems: usize) -> Result<Vec<bf16>> {
         let mut v = vec![bf16::ZERO; elems];
         if elems > 0 {
+            self.synchronize()?; // the state may have been written on any post stream
             ck("reading back", unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     v.as_mut_ptr() as *mut c_void,
                     ptr,
                     elems * BF,
-                    self.post.0,
+                    self.post[0].0,
                 )
             })?;
-            self.post.sync()?;
+            self.post[0].sync()?;
         }
         Ok(v)
     }
