@@ -163,6 +163,7 @@ def test_concurrent_bridges_while_health_answers(model, bridged):
     prompts = [E.text_of_tokens(model, LONG, seed=s) for s in (21, 22)] + [None]
     prompts[2] = prompts[0]
     results: dict[int, tuple] = {}
+    completed_before = status(bridged)["counters"]["verdicts"]["complete"]
 
     def run(i):
         results[i] = E.completion(bridged, prompts[i], max_tokens=ANSWER_TOKENS)
@@ -189,7 +190,7 @@ def test_concurrent_bridges_while_health_answers(model, bridged):
     # The duplicate bridged too, or found the first one's blocks already there.
     assert dup_headers["x-pd-bridge"].startswith(("complete; blocks=7", 'native; reason="prefix cached')), dup_headers["x-pd-bridge"]
     assert E.cached_tokens(dup) == 1792 and answer(dup) == answer(results[0][0])
-    assert status(bridged)["counters"]["verdicts"]["complete"] >= 5
+    assert status(bridged)["counters"]["verdicts"]["complete"] - completed_before >= 2
     assert_all_blocks_valid(bridged)
 
 

@@ -84,7 +84,8 @@ def install_bridge() -> None:
 
         from omlx.engine_core import EngineCore
 
-        from .bridge import get_bridge, record
+        from .bridge import get_bridge
+        from .counters import COUNTERS
         from .verdict import Verdict, current_slot
 
         original = EngineCore.add_request
@@ -116,7 +117,7 @@ def install_bridge() -> None:
             finally:
                 if verdict.kind == "native":
                     logger.info("pd-bridge[%s]: %s", request_id, verdict.header())
-                record(verdict, nbytes)
+                COUNTERS.record(verdict, nbytes)
                 if slot is not None:
                     slot.set(verdict)
 
@@ -137,7 +138,10 @@ def register_block(manager, path: Path, model_name: str | None, block_size: int 
     if digest is not None and manager._index.contains(digest):
         return None
     inspect_block(str(path), model_name=model_name, block_size=block_size)
-    meta = manager._read_file_metadata(path)
+    # Validated just above with the stricter expectations: read the metadata with oMLX's own
+    # reader, not through the guard that would validate the file a second time.
+    read = type(manager)._read_file_metadata
+    meta = getattr(read, "__wrapped__", read)(manager, path)
     if meta is None:
         raise BlockRejected(f"{path}: oMLX could not read its metadata")
     manager._enforce_size_limit_for_new_block()

@@ -28,7 +28,6 @@ from pathlib import Path
 from . import config as config_mod
 from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest
 from .adapter import index_lock, register_block
-from .counters import COUNTERS
 from .verdict import Verdict, native
 
 logger = logging.getLogger("pd_bridge_omlx")
@@ -316,6 +315,3 @@ def get_bridge() -> Bridge:
             _bridge = Bridge.from_env()
         return _bridge
 
-
-def record(verdict: Verdict, nbytes: int) -> None:
-    COUNTERS.record(verdict, nbytes)

@@ -58,7 +58,7 @@ def _float(env, name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise BridgeConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0 or value != value or value == float("inf"):
+    if not 0 < value < float("inf"):  # also refuses NaN
         raise BridgeConfigError(f"{name}={raw!r} must be a positive, finite number of seconds")
     return value
 
