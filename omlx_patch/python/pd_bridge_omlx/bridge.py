@@ -20,10 +20,10 @@ import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
+
+import httpx
 
 from . import config as config_mod
 from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest
@@ -40,46 +40,73 @@ class PrefillUnavailable(RuntimeError):
     pass
 
 
-def _http(url: str, body: dict | None, timeout: float) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:300]
-        raise PrefillUnavailable(f"{url} answered HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise PrefillUnavailable(f"{url} is unreachable: {reason}") from None
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise PrefillUnavailable(f"{url} answered something that is not JSON: {raw[:200]!r}") from None
+# Connections to the prefill host, per bridge: a few long prefill requests at once plus the
+# health/model probes; idle ones are kept for the next bridge.
+_POOL_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=30.0)
+_TIMEOUT_PHASE = {httpx.ConnectTimeout: "connecting", httpx.ReadTimeout: "waiting for the answer",
+                  httpx.WriteTimeout: "sending the request", httpx.PoolTimeout: "waiting for a free connection"}  # fmt: skip
 
 
 class PrefillHost:
-    """vLLM's OpenAI server on the prefill host."""
+    """vLLM's OpenAI server on the prefill host, through one pooled ``httpx.Client``.
+
+    The client is created once (per bridge, per doctor run) and shared by the bridge's threads
+    (``httpx.Client`` is thread-safe). Each request gets the configured connect timeout
+    (``PD_BRIDGE_CONNECT_TIMEOUT_S``) and its own read timeout. Every failure is a
+    ``PrefillUnavailable`` whose text says which: ``<url> is unreachable: <why>`` (refused, reset,
+    closed, DNS, and timeouts as ``timed out ...``), ``<url> answered HTTP <code>: <body>``, or
+    ``<url> answered something that is not JSON``."""
 
     def __init__(self, cfg: config_mod.BridgeConfig):
         self.cfg = cfg
         self._model = cfg.prefill_model
+        self._client = httpx.Client(
+            limits=_POOL_LIMITS,
+            timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+            headers={"Content-Type": "application/json", "User-Agent": "pd-bridge-omlx"},
+            follow_redirects=True,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _request(self, path: str, body: dict | None, timeout: float) -> dict:
+        url = f"{self.cfg.prefill_url}{path}"
+        limits = httpx.Timeout(timeout, connect=min(self.cfg.connect_timeout_s, timeout))
+        try:
+            if body is None:
+                resp = self._client.get(url, timeout=limits)
+            else:
+                resp = self._client.post(url, content=json.dumps(body).encode(), timeout=limits)
+        except httpx.TimeoutException as e:
+            phase = next((what for cls, what in _TIMEOUT_PHASE.items() if isinstance(e, cls)), "")
+            secs = limits.connect if isinstance(e, httpx.ConnectTimeout) else timeout
+            raise PrefillUnavailable(f"{url} is unreachable: timed out {phase} after {secs:g}s".replace("  ", " ")) from None
+        except httpx.HTTPError as e:  # refused, reset, closed without an answer, DNS, bad URL
+            raise PrefillUnavailable(f"{url} is unreachable: {str(e) or type(e).__name__}") from None
+        if resp.status_code >= 400:
+            raise PrefillUnavailable(f"{url} answered HTTP {resp.status_code}: {resp.text[:300]}")
+        raw = resp.content
+        if not raw.strip():
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise PrefillUnavailable(f"{url} answered something that is not JSON: {raw[:200]!r}") from None
 
     def check_health(self) -> None:
-        _http(f"{self.cfg.prefill_url}/health", None, timeout=3.0)
+        self._request("/health", None, timeout=3.0)
 
     def model(self) -> str:
         if self._model is None:
-            models = _http(f"{self.cfg.prefill_url}/v1/models", None, timeout=5.0).get("data") or []
+            models = self._request("/v1/models", None, timeout=5.0).get("data") or []
             if not models:
                 raise PrefillUnavailable(f"{self.cfg.prefill_url}/v1/models lists no model")
             self._model = models[0]["id"]
         return self._model
 
     def version(self) -> str:
-        return str(_http(f"{self.cfg.prefill_url}/version", None, timeout=5.0).get("version", "unknown"))
+        return str(self._request("/version", None, timeout=5.0).get("version", "unknown"))
 
     def prefill(self, token_ids: list[int], capture: dict, timeout: float) -> dict:
         body = {
@@ -89,7 +116,7 @@ class PrefillHost:
             "temperature": 0.0,
             "kv_transfer_params": {"pd_capture": capture},
         }
-        return _http(f"{self.cfg.prefill_url}/v1/completions", body, timeout=timeout)
+        return self._request("/v1/completions", body, timeout=timeout)
 
 
 class Bridge:

@@ -58,7 +58,7 @@ class _Doctor:
 def _doctor(args) -> int:
     from . import ENV_VAR, __version__, enabled
     from . import config as config_mod
-    from .bridge import PrefillHost, PrefillUnavailable
+    from .bridge import PrefillHost
 
     d = _Doctor()
     print(f"pd-bridge doctor (pd-bridge-omlx {__version__}, Python {sys.version.split()[0]})")
@@ -92,7 +92,16 @@ def _doctor(args) -> int:
         print(f"{d.failures} problem(s)")
         return 1
 
-    host = PrefillHost(cfg)
+    host = PrefillHost(cfg)  # one pooled HTTP client for every check below
+    try:
+        return _doctor_links(d, cfg, host, args)
+    finally:
+        host.close()
+
+
+def _doctor_links(d: _Doctor, cfg, host, args) -> int:
+    from .bridge import PrefillUnavailable
+
     try:
         host.check_health()
         d.ok("prefill host health", f"{cfg.prefill_url}/health")

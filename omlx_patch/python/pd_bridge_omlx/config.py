@@ -35,6 +35,8 @@ class BridgeConfig:
     #: The decoder weights whose fingerprint must match the prefill host's; None: the model
     #: directory oMLX loaded.
     weights_dir: str | None
+    #: Longest the HTTP client waits to connect to the prefill host (each request).
+    connect_timeout_s: float = 5.0
 
 
 def _int(env, name: str, default: int, minimum: int = 0) -> int:
@@ -107,4 +109,5 @@ def from_env(env=None) -> BridgeConfig | None:
         timeout_s=_float(env, "PD_BRIDGE_TIMEOUT_S", 600.0),
         idle_s=_float(env, "PD_BRIDGE_IDLE_S", 60.0),
         weights_dir=env.get("PD_BRIDGE_WEIGHTS", "").strip() or None,
+        connect_timeout_s=_float(env, "PD_BRIDGE_CONNECT_TIMEOUT_S", 5.0),
     )

@@ -15,11 +15,13 @@ import json
 import logging
 import time
 
-from .counters import COUNTERS
+from .counters import COUNTERS, METRICS_CONTENT_TYPE
 from .verdict import HEADER, VerdictSlot, current_slot, native
 
 logger = logging.getLogger("pd_bridge_omlx")
 
+#: The counters in Prometheus' text format (served here, next to the JSON at /pd-bridge/v1/status).
+METRICS_PATH = "/pd-bridge/v1/metrics"
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"})
 # A request whose handler never reaches the engine within this long (an engine without the
 # hook, an early error) is released with a "native" verdict rather than held back.
@@ -46,6 +48,8 @@ class VerdictMiddleware:
         method, path = scope.get("method"), scope.get("path")
         if method == "GET" and path == "/api/status":
             return await self._status(scope, receive, send)
+        if method == "GET" and path == METRICS_PATH:
+            return await self._metrics(send)
         if method != "POST" or path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
 
@@ -104,6 +108,16 @@ class VerdictMiddleware:
                         await release()
                     except Exception:  # the client is gone
                         pass
+
+    async def _metrics(self, send):
+        """``GET /pd-bridge/v1/metrics``: the counters for a Prometheus scrape."""
+        try:
+            status, ctype, body = 200, METRICS_CONTENT_TYPE, COUNTERS.prometheus_text()
+        except RuntimeError as e:  # prometheus_client missing
+            status, ctype, body = 503, "text/plain; charset=utf-8", f"{e}\n".encode()
+        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def _status(self, scope, receive, send):
         """oMLX's own status JSON, with the bridge's counters under ``pd_bridge``."""
