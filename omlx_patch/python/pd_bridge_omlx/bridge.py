@@ -79,9 +79,9 @@ class PrefillHost:
             else:
                 resp = self._client.post(url, content=json.dumps(body).encode(), timeout=limits)
         except httpx.TimeoutException as e:
-            phase = next((what for cls, what in _TIMEOUT_PHASE.items() if isinstance(e, cls)), "")
+            phase = next((f" {what}" for cls, what in _TIMEOUT_PHASE.items() if isinstance(e, cls)), "")
             secs = limits.connect if isinstance(e, httpx.ConnectTimeout) else timeout
-            raise PrefillUnavailable(f"{url} is unreachable: timed out {phase} after {secs:g}s".replace("  ", " ")) from None
+            raise PrefillUnavailable(f"{url} is unreachable: timed out{phase} after {secs:g}s") from None
         except httpx.HTTPError as e:  # refused, reset, closed without an answer, DNS, bad URL
             raise PrefillUnavailable(f"{url} is unreachable: {str(e) or type(e).__name__}") from None
         if resp.status_code >= 400:
