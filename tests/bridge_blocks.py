@@ -24,15 +24,23 @@ class Written:
     core_seconds: float
 
 
-def write_blocks(model_dir: Path, model_name: str, ids: list[int], block_size: int, n_blocks: int, cache_dir: Path) -> Written:
-    """Capture attention inputs for the first ``n_blocks`` blocks of ``ids`` and write them."""
+def capture(model_dir: Path, ids: list[int], block_size: int, n_blocks: int) -> parity.ForwardCapture:
+    """The MLX model's attention inputs for the first ``n_blocks`` blocks, on oMLX's grid."""
     model = tiny_models.load(model_dir)
     classes = parity.v4_classes() if model.args.model_type == "deepseek_v4" else parity.mla_classes()
     expected_of = parity.v4_expected if model.args.model_type == "deepseek_v4" else parity.mla_expected
-    cap = parity.mlx_prefill(model, ids[: n_blocks * block_size], block_size, classes, expected_of)
+    return parity.mlx_prefill(model, ids[: n_blocks * block_size], block_size, classes, expected_of)
+
+
+def write_blocks(model_dir: Path, model_name: str, ids: list[int], block_size: int, n_blocks: int, cache_dir: Path,
+                 cap: parity.ForwardCapture | None = None) -> Written:  # fmt: skip
+    """Write the first ``n_blocks`` blocks of ``ids`` from the core's math, in the installed
+    oMLX's block format (``cap``: attention inputs already captured by ``capture``)."""
+    cap = cap or capture(model_dir, ids, block_size, n_blocks)
     weights = Weights.load(str(model_dir))
-    builder = CacheBuilder(weights, block_size)
-    writer = BlockWriter(str(cache_dir), model_name, block_size, ids)
+    fmt = parity.omlx_format()
+    builder = CacheBuilder(weights, block_size, fmt)
+    writer = BlockWriter(str(cache_dir), model_name, block_size, ids, fmt)
     paths = []
     t0 = time.perf_counter()
     for i, ((start, _end), per_layer) in enumerate(zip(cap.steps, cap.inputs)):

@@ -267,6 +267,13 @@ def read_block_header(path: str | os.PathLike) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def installed_omlx():
+    """The installed oMLX's entry in pd-bridge's versions table (fork or upstream)."""
+    from pd_bridge_omlx import versions
+
+    return versions.detect()
+
+
 @dataclass
 class OmlxServer:
     base_url: str
@@ -280,9 +287,19 @@ class OmlxServer:
     startup_s: float  # spawn -> model loaded
 
     @property
+    def cache_model_name(self) -> str:
+        """What this oMLX hashes into block keys and stamps as `model_name`: the fork the model
+        directory's path, upstream the model id (versions table)."""
+        return str(self.model_path) if installed_omlx().model_name == "path" else self.model
+
+    @property
     def server_log(self) -> Path:
-        """oMLX's own log file (has request ids), under $HOME/.fmlx/logs."""
-        return self.home / ".fmlx" / "logs" / "server.log"
+        """oMLX's own log file (has request ids), under $HOME/.fmlx/logs (the fork) or
+        $HOME/.omlx/logs (upstream)."""
+        for base in (".omlx", ".fmlx"):
+            if (self.home / base / "logs" / "server.log").exists():
+                return self.home / base / "logs" / "server.log"
+        return self.home / ".omlx" / "logs" / "server.log"
 
 
 def free_port() -> int:
@@ -348,26 +365,27 @@ def serve(
 
     `model_root` holds model subdirectories (each with config.json); `model` picks the one to
     load up front (default: the only/first one). `home` becomes $HOME, so settings, logs and
-    the admin state live in `home/.fmlx` and nothing leaks into the real home. The hot cache
+    the admin state live in `home/.fmlx` (`home/.omlx` upstream) and nothing leaks into the real home. The hot cache
     stays off, so every stored block goes straight to the writer thread and onto disk.
     """
     model_root = Path(model_root).resolve()
     cache_dir = Path(cache_dir).resolve()
     home = Path(home).resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    base = home / ".fmlx"
-    base.mkdir(parents=True, exist_ok=True)
     if model is None:
         names = sorted(p.name for p in model_root.iterdir() if (p / "config.json").exists())
         if not names:
             raise FileNotFoundError(f"no model subdirectory with config.json in {model_root}")
         model = names[0]
     # Open API and admin routes (the admin load route needs auth otherwise); no network use.
-    settings_file = base / "settings.json"
-    if not settings_file.exists():
-        settings_file.write_text(
-            json.dumps({"version": "1.0", "auth": {"skip_api_key_verification": True}}, indent=2)
-        )
+    # The fork (flyto-mlx) keeps its settings in ~/.fmlx, upstream oMLX in ~/.omlx.
+    for base in (home / ".fmlx", home / ".omlx"):
+        base.mkdir(parents=True, exist_ok=True)
+        settings_file = base / "settings.json"
+        if not settings_file.exists():
+            settings_file.write_text(
+                json.dumps({"version": "1.0", "auth": {"skip_api_key_verification": True}}, indent=2)
+            )
     port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMLX_", "FMLX_"))}
     env.update(

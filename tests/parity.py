@@ -123,10 +123,14 @@ def v4_expected(cache) -> dict[str, mx.array | None]:
     window = rot._temporal_order(rot.keys)[..., -min(rot.max_size, rot.offset) :, :]
     out = {"window": window}
     for prefix, pool in zip(("", "idx_"), parts[1:]):
-        buf_kv, buf_gate, pooled = pool.state
+        state = pool.state
+        buf_kv, buf_gate, pooled = state[:3]
         out[prefix + "pooled"] = pooled
         out[prefix + "buf_kv"] = buf_kv
         out[prefix + "buf_gate"] = buf_gate
+        if len(state) == 5:  # upstream: the previous ratio-4 window, [1, 1, ratio, out_dim]
+            for name, a in zip(("prev_kv", "prev_gate"), state[3:]):
+                out[prefix + name] = None if a is None else a.reshape(-1, a.shape[-1])
     return out
 
 
@@ -180,10 +184,17 @@ def mlx_prefill(model, tokens: list[int], step: int, attention_classes, expected
     return ForwardCapture(steps, inputs, expected)
 
 
+def omlx_format() -> str:
+    """The installed oMLX's block format (its decoder's overlap semantics)."""
+    from pd_bridge_omlx import versions
+
+    return versions.detect().omlx_format
+
+
 def core_replay(weights: Weights, cap: ForwardCapture, step: int, tally: Tally, chunking=None) -> float:
     """Feed the captured inputs to the core; compare after every decoder step (or only at the
     end when ``chunking`` re-cuts the prompt). Returns the seconds the core spent."""
-    builder = CacheBuilder(weights, step)
+    builder = CacheBuilder(weights, step, omlx_format())
     n_layers = weights.num_layers
     spent = 0.0
     if chunking is None:

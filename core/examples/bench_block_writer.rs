@@ -100,6 +100,8 @@ fn main() {
                             [ArrayView::new(od, empty), ArrayView::new(od, empty), ArrayView::new(w, pooled)]
                         })
                         .collect(),
+                    pool_first: vec![0; pools[l].len()],
+                    prev: vec![None; pools[l].len()],
                 })
             })
             .collect();

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::error::{CoreError, Result};
+use crate::format::{OmlxFormat, Overlap};
 use crate::pooler::{CacheBuilder, DecoderSteps, LayerState};
 use crate::segment::{ArrayShape, LayerHeader, LayerKind, Segment, SegmentHeader};
 use crate::weights::DecoderWeights;
@@ -49,6 +50,7 @@ pub struct DeviceInput {
 }
 
 pub struct Capture {
+    format: OmlxFormat,
     request_id: String,
     fingerprint: String,
     block_size: usize,
@@ -75,14 +77,21 @@ fn shape(width: usize, data: &[bf16]) -> ArrayShape {
 }
 
 impl Capture {
-    /// `prompt_tokens`: the prompt's length; `block_size`: the decoder's block size (also its
-    /// prefill step grid).
+    /// A capture for the fork's decoder (flyto-mlx 0.7.0); see [`Self::with_format`].
     pub fn new(weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
-        let steps = DecoderSteps::new(block_size)?;
+        Self::with_format(OmlxFormat::Fork070, weights, request_id, prompt_tokens, block_size)
+    }
+
+    /// `format`: the decoder's oMLX block format (its overlap semantics, window rows and what
+    /// segments carry); `prompt_tokens`: the prompt's length; `block_size`: the decoder's block
+    /// size (also its prefill step grid).
+    pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
+        let steps = DecoderSteps::for_format(format, block_size)?;
         let fingerprint = weights.fingerprint.clone();
         #[cfg(feature = "cuda")]
         let w2 = weights.clone();
         Ok(Capture {
+            format,
             request_id: request_id.into(),
             fingerprint,
             block_size,
@@ -103,6 +112,10 @@ impl Capture {
 
     pub fn request_id(&self) -> &str {
         &self.request_id
+    }
+
+    pub fn format(&self) -> OmlxFormat {
+        self.format
     }
 
     /// Full blocks this capture will produce if it completes.
@@ -166,7 +179,8 @@ impl Capture {
         }
         if self.gpu.is_none() && !self.gpu_fallback {
             let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(0));
-            let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0");
+            // The GPU kernels implement the fork's per-call overlap restart only.
+            let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0") || self.format != OmlxFormat::Fork070;
             if fed || off {
                 self.gpu_fallback = true;
             } else {
@@ -238,7 +252,8 @@ impl Capture {
                 let mut arrays = vec![v.window.data.to_vec()];
                 let mut shapes = vec![shape(v.window.width, v.window.data)];
                 let mut pool_starts = Vec::new();
-                for (pool, (first, width, rows)) in v.pools.iter().zip(deltas) {
+                let carried = self.format.overlap() == Overlap::Carried;
+                for (j, (pool, (first, width, rows))) in v.pools.iter().zip(deltas).enumerate() {
                     for a in &pool[..2] {
                         shapes.push(shape(a.width, a.data));
                         arrays.push(a.data.to_vec());
@@ -246,6 +261,22 @@ impl Capture {
                     shapes.push(shape(width, &rows));
                     arrays.push(rows);
                     pool_starts.push(first as u64);
+                    if carried {
+                        match v.prev.get(j).copied().flatten() {
+                            Some([pk, pg]) => {
+                                for a in [pk, pg] {
+                                    shapes.push(shape(a.width, a.data));
+                                    arrays.push(a.data.to_vec());
+                                }
+                            }
+                            None => {
+                                for _ in 0..2 {
+                                    shapes.push(ArrayShape { rows: 0, width: pool[0].width as u32 });
+                                    arrays.push(Vec::new());
+                                }
+                            }
+                        }
+                    }
                 }
                 let kind = LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32, pool_starts };
                 Part { header: LayerHeader { kind, arrays: shapes }, arrays }
@@ -282,6 +313,7 @@ impl Capture {
             let k = self.emitted;
             let header = SegmentHeader {
                 request_id: self.request_id.clone(),
+                omlx_format: self.format.name().to_string(),
                 fingerprint: self.fingerprint.clone(),
                 index: k as u32,
                 start: (k * self.block_size) as u64,

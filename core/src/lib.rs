@@ -11,6 +11,7 @@ pub mod capture;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod format;
 pub mod numerics;
 pub mod plan;
 pub mod pooler;
@@ -20,6 +21,7 @@ pub mod weights;
 pub mod wire;
 
 pub use error::{CoreError, Result};
+pub use format::OmlxFormat;
 pub use plan::ModelPlan;
 pub use pooler::{CacheBuilder, DecoderSteps, StateArray};
 pub use weights::DecoderWeights;

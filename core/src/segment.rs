@@ -15,7 +15,8 @@ use crate::pooler::{ArrayView, V4BlockView};
 pub enum LayerKind {
     /// DeepSeek-V4: `arrays[0]` the window, then `[buf_kv, buf_gate, pooled]` per pool, where
     /// `pooled` holds pool rows from `pool_starts[i]` on (0: the whole pool; a streaming capture
-    /// sends only the rows new since the previous segment).
+    /// sends only the rows new since the previous segment); for a decoder that carries the
+    /// ratio-4 overlap (upstream) each pool adds `[prev_kv, prev_gate]` (0 rows: none).
     V4 { offset: u64, sliding_window: u32, ratio: u32, pool_starts: Vec<u64> },
     /// A plain KV slice: `arrays = [keys, values]`.
     Kv,
@@ -39,12 +40,20 @@ pub struct LayerHeader {
 pub struct SegmentHeader {
     pub request_id: String,
     pub fingerprint: String,
+    /// The oMLX block format the capture computed for ([`crate::OmlxFormat::name`]); the
+    /// decode host refuses a segment made for another. Absent in older peers: the fork's.
+    #[serde(default = "fork_format")]
+    pub omlx_format: String,
     /// Block index in the request's chain.
     pub index: u32,
     /// The block covers tokens `[start, end)`.
     pub start: u64,
     pub end: u64,
     pub layers: Vec<LayerHeader>,
+}
+
+fn fork_format() -> String {
+    crate::OmlxFormat::Fork070.name().to_string()
 }
 
 /// A segment with its arrays, owned (as received or about to be sent).
@@ -57,7 +66,7 @@ pub struct Segment {
 
 impl Segment {
     /// Capture the block `[start, end)`'s state from per-layer views.
-    pub fn from_views(request_id: &str, fingerprint: &str, index: u32, start: u64, end: u64, views: &[LayerView<'_>]) -> Segment {
+    pub fn from_views(format: crate::OmlxFormat, request_id: &str, fingerprint: &str, index: u32, start: u64, end: u64, views: &[LayerView<'_>]) -> Segment {
         let mut layers = Vec::with_capacity(views.len());
         let mut arrays = Vec::new();
         let mut push = |a: &ArrayView<'_>, shapes: &mut Vec<ArrayShape>| {
@@ -69,12 +78,19 @@ impl Segment {
             let kind = match v {
                 LayerView::V4(v) => {
                     push(&v.window, &mut shapes);
-                    for pool in &v.pools {
+                    let carried = format.overlap() == crate::format::Overlap::Carried;
+                    for (j, pool) in v.pools.iter().enumerate() {
                         for a in pool {
                             push(a, &mut shapes);
                         }
+                        if carried {
+                            let empty = ArrayView { rows: 0, width: pool[0].width, data: &[] };
+                            let [pk, pg] = v.prev.get(j).copied().flatten().unwrap_or([empty, empty]);
+                            push(&pk, &mut shapes);
+                            push(&pg, &mut shapes);
+                        }
                     }
-                    LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32, pool_starts: vec![0; v.pools.len()] }
+                    LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32, pool_starts: v.pool_first.iter().map(|&f| f as u64).collect() }
                 }
                 LayerView::Kv(k, val) => {
                     push(k, &mut shapes);
@@ -84,11 +100,12 @@ impl Segment {
             };
             layers.push(LayerHeader { kind, arrays: shapes });
         }
-        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), index, start, end, layers }, arrays }
+        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), omlx_format: format.name().into(), index, start, end, layers }, arrays }
     }
 
-    /// Borrow the segment as per-layer views for the block writer. A segment that carries pool
-    /// deltas needs the accumulated pools: use [`crate::assembler::Assembler`].
+    /// Borrow the segment as per-layer views for the block writer. Pools stay as the segment
+    /// carries them (`pool_first` says from which row): enough for a delta-pool format; a
+    /// full-pool format needs the accumulated pools of [`crate::assembler::Assembler`].
     pub fn views(&self) -> Result<Vec<LayerView<'_>>> {
         self.views_with(|_, _| None)
     }
@@ -111,21 +128,28 @@ impl Segment {
                     let Some((window, rest)) = layer.arrays.split_first() else {
                         return Err(CoreError::wire(format!("layer {i}: a V4 layer needs a window")));
                     };
-                    if rest.len() % 3 != 0 || (ratio == 0) != rest.is_empty() || pool_starts.len() != rest.len() / 3 {
+                    let arity = if pool_starts.is_empty() { 3 } else { rest.len() / pool_starts.len() };
+                    if (arity != 3 && arity != 5) || rest.len() != arity * pool_starts.len() || (ratio == 0) != rest.is_empty() {
                         return Err(CoreError::wire(format!("layer {i}: {} pool arrays, {} pool starts, ratio {ratio}", rest.len(), pool_starts.len())));
                     }
                     let window = take(window)?;
-                    let mut pools = Vec::new();
-                    for (j, p) in rest.chunks_exact(3).enumerate() {
+                    let (mut pools, mut pool_first, mut prev) = (Vec::new(), Vec::new(), Vec::new());
+                    for (j, p) in rest.chunks_exact(arity).enumerate() {
                         let (kv, gate, own) = (take(&p[0])?, take(&p[1])?, take(&p[2])?);
-                        let pooled = match pool(i, j) {
-                            Some(all) => ArrayView::new(own.width, all),
-                            None if pool_starts[j] == 0 => own,
-                            None => return Err(CoreError::wire(format!("layer {i} pool {j} is a delta from row {}; its earlier rows are unknown", pool_starts[j]))),
+                        let (pooled, first) = match pool(i, j) {
+                            Some(all) => (ArrayView::new(own.width, all), 0),
+                            None => (own, pool_starts[j] as usize),
                         };
                         pools.push([kv, gate, pooled]);
+                        pool_first.push(first);
+                        prev.push(if arity == 5 {
+                            let (pk, pg) = (take(&p[3])?, take(&p[4])?);
+                            (pk.rows > 0).then_some([pk, pg])
+                        } else {
+                            None
+                        });
                     }
-                    LayerView::V4(V4BlockView { offset: offset as usize, sliding_window: sliding_window as usize, ratio: ratio as usize, window, pools })
+                    LayerView::V4(V4BlockView { offset: offset as usize, sliding_window: sliding_window as usize, ratio: ratio as usize, window, pools, pool_first, prev })
                 }
                 LayerKind::Kv => {
                     let [k, v] = layer.arrays.as_slice() else {
@@ -195,10 +219,12 @@ mod tests {
                 ratio: 4,
                 window: ArrayView::new(3, &w),
                 pools: vec![[ArrayView::new(4, &[]), ArrayView::new(4, &[]), ArrayView::new(2, &p)]],
+                pool_first: vec![0],
+                prev: vec![None],
             }),
             LayerView::Kv(ArrayView::new(3, &w[..6]), ArrayView::new(2, &p)),
         ];
-        Segment::from_views("req-1", "sha256:ab", 1, 4, 8, &views)
+        Segment::from_views(crate::OmlxFormat::Fork070, "req-1", "sha256:ab", 1, 4, 8, &views)
     }
 
     #[test]

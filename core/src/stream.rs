@@ -225,12 +225,15 @@ pub fn ingest(addr: SocketAddr, token: &[u8], request_id: &str, fingerprint: &st
         stream.set_read_timeout(Some(timeout)).map_err(|e| CoreError::wire(e.to_string()))?;
         wire::connect(&mut stream, token, request_id)?;
         let mut reader = SegmentReader::new(stream, request_id, fingerprint);
-        let mut asm = Assembler::new();
+        // Full-pool blocks (the fork) need every pooled row so far; delta blocks (upstream)
+        // only the segment's own, so the assembler then checks continuity and keeps nothing.
+        let mut asm = Assembler::for_layout(writer.format().pool_layout());
         loop {
             let event = reader.next_event().map_err(|e| if control.is_cancelled() { CoreError::wire("cancelled by the decode host") } else { e })?;
             match event {
                 Event::Segment(seg) => {
                     control.check()?;
+                    writer.check_segment(&seg)?;
                     asm.absorb(&seg)?;
                     let index = seg.header.index as usize;
                     writer.write_views(index, &asm.views(&seg)?)?;

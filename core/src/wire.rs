@@ -216,7 +216,7 @@ mod tests {
 
     fn seg(index: u32, start: u64, fp: &str) -> Segment {
         let d = vec![bf16::ONE; 6];
-        Segment::from_views("r", fp, index, start, start + 2, &[LayerView::Kv(ArrayView::new(3, &d), ArrayView::new(3, &d))])
+        Segment::from_views(crate::OmlxFormat::Fork070, "r", fp, index, start, start + 2, &[LayerView::Kv(ArrayView::new(3, &d), ArrayView::new(3, &d))])
     }
 
     #[test]

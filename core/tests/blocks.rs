@@ -40,13 +40,13 @@ fn check(dir: std::path::PathBuf, block: usize, blocks: usize) {
         }
         let a = wd.write(k, b.layers()).unwrap();
         let views: Vec<LayerView<'_>> = b.layers().iter().map(|l| LayerView::of(l, k * block, (k + 1) * block)).collect();
-        let seg = Segment::from_views("r", &w.fingerprint, k as u32, (k * block) as u64, ((k + 1) * block) as u64, &views);
+        let seg = Segment::from_views(pd_bridge_core::OmlxFormat::Fork070, "r", &w.fingerprint, k as u32, (k * block) as u64, ((k + 1) * block) as u64, &views);
         let received = Segment::decode(&seg.encode()).unwrap();
         let c = ws.write_segment(&received).unwrap();
         wd.flush().unwrap();
         ws.flush().unwrap();
         assert_eq!(parsed(&a.path), parsed(&c.path), "block {k}");
-        let expect = Expect { model_name: Some("/m".into()), num_layers: Some(w.plan.num_layers()), block_size: Some(block) };
+        let expect = Expect { model_name: Some("/m".into()), num_layers: Some(w.plan.num_layers()), block_size: Some(block), ..Default::default() };
         assert_eq!(inspect(&a.path, &expect).unwrap().token_count, block);
         // Immutable once named: a second write leaves the file alone.
         assert!(wd.write(k, b.layers()).unwrap().existed);
@@ -73,7 +73,7 @@ fn segment_for_the_wrong_block_is_refused() {
         b.feed(layer, 0, &random_rows(&mut rng, 64, w.plan.hidden_size())).unwrap();
     }
     let views: Vec<LayerView<'_>> = b.layers().iter().map(|l| LayerView::of(l, 0, 64)).collect();
-    let mut seg = Segment::from_views("r", &w.fingerprint, 0, 0, 64, &views);
+    let mut seg = Segment::from_views(pd_bridge_core::OmlxFormat::Fork070, "r", &w.fingerprint, 0, 0, 64, &views);
     seg.header.index = 1;
     let ws = BlockWriter::new(temp_dir("wrong"), "/m", 64, &(0..200).collect::<Vec<u32>>()).unwrap();
     assert!(ws.write_segment(&seg).unwrap_err().to_string().contains("block 1 is [64, 128)"));

@@ -109,7 +109,7 @@ fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
     assert_eq!(got.blocks, 2);
     let files = common::files_under(&dir);
     assert_eq!(files.len(), 2, "{files:?}");
-    let expect = Expect { model_name: Some("/m".into()), num_layers: Some(3), block_size: Some(BLOCK) };
+    let expect = Expect { model_name: Some("/m".into()), num_layers: Some(3), block_size: Some(BLOCK), ..Default::default() };
     for f in files {
         inspect(&f, &expect).unwrap();
     }

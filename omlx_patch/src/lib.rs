@@ -6,7 +6,7 @@ use std::sync::Arc;
 use half::bf16;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
-use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights};
+use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights, OmlxFormat};
 use pyo3::exceptions::{PyException, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -26,6 +26,11 @@ fn to_py(e: CoreError) -> PyErr {
         CoreError::Wire(_) | CoreError::Auth(_) => PdBridgeError::new_err(msg),
         CoreError::Io { .. } => PyOSError::new_err(msg),
     }
+}
+
+/// The core's block-format descriptor by name (`None`: the fork's, for older callers).
+fn format_of(name: Option<&str>) -> PyResult<OmlxFormat> {
+    name.map_or(Ok(OmlxFormat::Fork070), |n| OmlxFormat::from_name(n).map_err(to_py))
 }
 
 fn bf16_from_le(data: &[u8]) -> PyResult<Vec<bf16>> {
@@ -79,10 +84,12 @@ struct CacheBuilder {
 
 #[pymethods]
 impl CacheBuilder {
-    /// `decoder_step`: the decoder's prefill step grid (oMLX's block size).
+    /// `decoder_step`: the decoder's prefill step grid (oMLX's block size); `omlx_format`: the
+    /// decoder's block format (its ratio-4 overlap semantics and window rows).
     #[new]
-    fn new(weights: &Weights, decoder_step: usize) -> PyResult<Self> {
-        let steps = DecoderSteps::new(decoder_step).map_err(to_py)?;
+    #[pyo3(signature = (weights, decoder_step, omlx_format=None))]
+    fn new(weights: &Weights, decoder_step: usize, omlx_format: Option<&str>) -> PyResult<Self> {
+        let steps = DecoderSteps::for_format(format_of(omlx_format)?, decoder_step).map_err(to_py)?;
         Ok(CacheBuilder { inner: CoreCacheBuilder::new(weights.inner.clone(), steps) })
     }
 
@@ -120,11 +127,18 @@ struct BlockWriter {
 
 #[pymethods]
 impl BlockWriter {
-    /// `model_name`: the model string oMLX hashes with (the model directory path it loaded);
-    /// `token_ids`: the request's ids as oMLX tokenized them.
+    /// `model_name`: the model string oMLX hashes with (the fork: the model directory path it
+    /// loaded; upstream: the model id); `token_ids`: the request's ids as oMLX tokenized them;
+    /// `omlx_format`: the block format to write (`omlx_formats()`; default the fork's).
     #[new]
-    fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>) -> PyResult<Self> {
-        CoreBlockWriter::new(cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py)
+    #[pyo3(signature = (cache_dir, model_name, block_size, token_ids, omlx_format=None))]
+    fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>, omlx_format: Option<&str>) -> PyResult<Self> {
+        CoreBlockWriter::with_format(format_of(omlx_format)?, cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py)
+    }
+
+    #[getter]
+    fn omlx_format(&self) -> &'static str {
+        self.inner.format().name()
     }
 
     #[getter]
@@ -154,17 +168,30 @@ impl BlockWriter {
 /// Validate a block file before oMLX may index it. Returns `(hash_hex, token_count,
 /// num_layers, model_name, file_size)`; raises `BlockRejected` with the reason otherwise.
 #[pyfunction]
-#[pyo3(signature = (path, model_name=None, num_layers=None, block_size=None))]
+#[pyo3(signature = (path, model_name=None, num_layers=None, block_size=None, omlx_format=None))]
 fn inspect_block(
     py: Python<'_>,
     path: std::path::PathBuf,
     model_name: Option<String>,
     num_layers: Option<usize>,
     block_size: Option<usize>,
+    omlx_format: Option<&str>,
 ) -> PyResult<(String, usize, usize, String, u64)> {
-    let expect = Expect { model_name, num_layers, block_size };
+    let expect = Expect { format: format_of(omlx_format)?, model_name, num_layers, block_size };
     let info = py.detach(|| inspect(&path, &expect)).map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
     Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
+}
+
+/// The block formats this build writes and validates, by name (newest first).
+#[pyfunction]
+fn omlx_formats() -> Vec<&'static str> {
+    OmlxFormat::ALL.iter().map(|f| f.name()).collect()
+}
+
+/// The block size `omlx_format`'s oMLX picks for the model whose weights are loaded.
+#[pyfunction]
+fn expected_block_size(weights: &Weights, omlx_format: &str) -> PyResult<usize> {
+    Ok(format_of(Some(omlx_format))?.block_size(&weights.inner.plan))
 }
 
 /// Stops an `ingest` running on another thread (`cancel()`); blocks already written stay.
@@ -242,7 +269,7 @@ fn ingest(
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{export_weights, ingest, inspect_block, IngestControl, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
+    use super::{expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");

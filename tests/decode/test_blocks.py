@@ -1,21 +1,31 @@
 """oMLX side: blocks written by the Rust writer against the blocks a real oMLX writes itself.
 
-One oMLX server per model serves a ~1,200-token prompt natively and stores its blocks; the Rust
-writer writes the same prompt's blocks from the Rust math into a second directory; every file
-must match oMLX's, tensor by tensor and key by key (``created_at`` aside).
+Runs against whichever oMLX is installed (``pd_bridge_omlx.versions``: upstream oMLX 0.6.3 or
+the flyto-mlx 0.7.0 fork). One oMLX server per model serves a prompt natively and stores its
+blocks; the Rust writer writes the same prompt's blocks from the Rust math into a second
+directory; every file must match oMLX's, tensor by tensor and key by key (``created_at`` aside).
+Upstream's DeepSeek-V4 blocks are 2,048 tokens: its prompt spans three blocks and ends mid-block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-import bridge_blocks
-import omlx_server
+import engines
 
-PROMPT_TOKENS = 1200
+engines.require("omlx", "pd_bridge_omlx")
+
+import bridge_blocks  # noqa: E402
+import omlx_server  # noqa: E402
+
+OMLX = omlx_server.installed_omlx()
+UPSTREAM = OMLX.distribution == "omlx"
+# Upstream: three 2,048-token DeepSeek-V4 blocks and a partial fourth; MLA blocks are 256.
+PROMPT_TOKENS = {"tiny-v4-bf16": 3 * 2048 + 700 if UPSTREAM else 1200, "tiny-mla": 1200}
 
 
 @dataclass
@@ -30,13 +40,21 @@ class NativeRun:
     native_dir: Path
     answer: str
     warm_cached: int
+    _capture: list = field(default_factory=list)
+
+    @property
+    def capture(self):
+        """MLX's attention inputs for the full blocks (computed once, shared by the tests)."""
+        if not self._capture:
+            self._capture.append(bridge_blocks.capture(self.root / self.name, self.ids, self.block_size, self.n_blocks))
+        return self._capture[0]
 
 
 def native_run(name: str, models: Path, tmp_path_factory) -> NativeRun:
     tmp = tmp_path_factory.mktemp(name)
     root = tmp / "models"
     omlx_server.prepare_model(models / name, root)
-    text, ids = omlx_server.prompt_of_tokens(root / name, PROMPT_TOKENS)
+    text, ids = omlx_server.prompt_of_tokens(root / name, PROMPT_TOKENS[name])
     cache = tmp / "native-cache"
     with omlx_server.serve(root, cache, tmp / "home", model=name) as s:
         cold = omlx_server.complete(s.base_url, s.model, text, 8)
@@ -45,7 +63,7 @@ def native_run(name: str, models: Path, tmp_path_factory) -> NativeRun:
         n_blocks = (len(ids) - 1) // block_size
         omlx_server.wait_for_blocks(cache, n_blocks)
         warm = omlx_server.complete(s.base_url, s.model, text, 8)
-        model_name = str(s.model_path)
+        model_name = s.cache_model_name
     return NativeRun(
         name, root, model_name, ids, text, block_size, n_blocks, cache,
         cold["choices"][0]["text"], warm["usage"]["prompt_tokens_details"]["cached_tokens"],
@@ -76,15 +94,19 @@ def test_native_oracle_is_sane(native):
     expected = set(omlx_server.block_hashes(native.model_name, native.ids, native.block_size)[: native.n_blocks])
     assert files == expected
     assert native.warm_cached == native.n_blocks * native.block_size
+    if UPSTREAM and native.name.startswith("tiny-v4"):
+        assert native.block_size == 2048 and native.n_blocks >= 3 and len(native.ids) % 2048
+    header = omlx_server.read_block_header(omlx_server.block_files(native.native_dir)[0])
+    assert header["metadata"]["model_name"] == (native.name if UPSTREAM else native.model_name)
 
 
 def test_rust_blocks_are_identical_to_omlx_blocks(native, tmp_path):
-    ours = bridge_blocks.write_blocks(native.root / native.name, native.model_name, native.ids, native.block_size, native.n_blocks, tmp_path)
+    ours = bridge_blocks.write_blocks(native.root / native.name, native.model_name, native.ids, native.block_size, native.n_blocks, tmp_path, native.capture)
     assert ours.hashes == omlx_server.block_hashes(native.model_name, native.ids, native.block_size)[: native.n_blocks]
     diff = bridge_blocks.BlockDiff()
     for h, path in zip(ours.hashes, ours.paths):
         bridge_blocks.compare_block(path, omlx_server.block_path(native.native_dir, h), diff)
-    print(f"\n{native.name}: {diff.identical}/{diff.compared} blocks identical to oMLX's own")
+    print(f"\n{native.name} ({OMLX.key}): {diff.identical}/{diff.compared} blocks identical to oMLX's own")
     assert diff.compared == native.n_blocks >= 2
     assert diff.identical == diff.compared, diff.problems[:10]
     assert not list(tmp_path.rglob("*tmp*")), "no temporary file may be left behind"
@@ -94,23 +116,41 @@ def rescan(server) -> dict:
     return omlx_server._request(f"{server.base_url}/pd-bridge/v1/rescan", {"model": server.model})
 
 
-def test_written_blocks_are_served_as_a_hit(native, tmp_path):
+def test_written_blocks_are_served_as_a_hit_and_survive_a_restart(native, tmp_path):
     """A fresh oMLX with an empty cache; the Rust writer writes the prompt's blocks, the adapter
-    registers them, and the request reports them cached and answers exactly as natively."""
-    cache = tmp_path / "cache"
-    with omlx_server.serve(native.root, cache, tmp_path / "home", model=native.name, extra_env=BRIDGE_ENV) as s:
-        ours = bridge_blocks.write_blocks(native.root / native.name, str(s.model_path), native.ids, native.block_size, native.n_blocks, cache)
+    registers them (oMLX's own compatibility check included), and the request reports them
+    cached and answers exactly as natively. Then oMLX restarts on the same cache directory: its
+    own start-up scan indexes the bridged blocks (none swept as incompatible) and the same
+    prompt is served from them again."""
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    with omlx_server.serve(native.root, cache, home, model=native.name, extra_env=BRIDGE_ENV) as s:
+        ours = bridge_blocks.write_blocks(native.root / native.name, s.cache_model_name, native.ids, native.block_size, native.n_blocks, cache, native.capture)
         result = rescan(s)
         assert sorted(result["registered"]) == sorted(ours.hashes) and not result["rejected"], result
         r = omlx_server.complete(s.base_url, s.model, native.text, 8)
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == native.n_blocks * native.block_size
     assert r["choices"][0]["text"] == native.answer
+    before = sorted(p.name for p in omlx_server.block_files(cache))
+    assert set(before) >= {f"{h}.safetensors" for h in ours.hashes}
+
+    with omlx_server.serve(native.root, cache, home, model=native.name, extra_env=BRIDGE_ENV) as s:
+        r2 = omlx_server.complete(s.base_url, s.model, native.text, 8)
+        log = s.log_path.read_text(errors="replace")
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == native.n_blocks * native.block_size
+    assert r2["choices"][0]["text"] == native.answer
+    assert "skipped_incompatible" not in log, [l for l in log.splitlines() if "skipped_incompatible" in l]
+    assert "not serving block" not in log
+    scans = re.findall(r"SSD cache scan complete: scanned=(\d+), indexed=(\d+)", log)
+    if scans:  # upstream logs its scan: every bridged block indexed
+        assert int(scans[-1][1]) >= native.n_blocks, scans
+    assert set(before) <= {p.name for p in omlx_server.block_files(cache)}, "a bridged block was swept"
 
 
 def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
-    """Truncated, random, foreign-model, wrong-hash, stale-format and temp files in the cache
-    directory: oMLX answers natively and correctly, and the log names each rejected file."""
-    nat = native_v4
+    """Truncated, random, foreign-model, wrong-hash, stale-format, wrong-signature and temp files
+    in the cache directory: oMLX answers natively and correctly, and the log names each rejected
+    file with the reason."""
+    nat = native_mla
     cache = tmp_path / "cache"
     hashes = omlx_server.block_hashes(nat.model_name, nat.ids, nat.block_size)[: nat.n_blocks]
     good = omlx_server.block_path(nat.native_dir, hashes[0]).read_bytes()
@@ -121,8 +161,9 @@ def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
         p.write_bytes(data)
         return p
 
+    version = re.search(rb'"omlx_cache_format_version":"(\d)"', good)
     stale = bytearray(good)
-    stale[stale.find(b'"omlx_cache_format_version":"3"') + 29] = ord("1")
+    stale[version.start(1)] = ord("1")
     bad = {
         "truncated": put(hashes[0], good[: len(good) // 2]),
         "random bytes": put(hashes[1], bytes((i * 7919) % 251 for i in range(4096))),
@@ -130,7 +171,12 @@ def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
         "hash not its name": put("cd" * 32, good),
         "temp leftover": put(hashes[0], good[:100], name=f"{hashes[0]}_tmp.safetensors"),
     }
-    foreign = omlx_server.block_files(native_mla.native_dir)[0]
+    if UPSTREAM:
+        # A well-formed block whose cache signature does not match its own metadata (same length).
+        wrong = good.replace(b'\\"block_size\\":256', b'\\"block_size\\":512', 1)
+        assert wrong != good
+        bad["wrong signature"] = put(hashes[2], wrong)
+    foreign = omlx_server.block_files(native_v4.native_dir)[0]
     with omlx_server.serve(nat.root, cache, tmp_path / "home", model=nat.name, extra_env=BRIDGE_ENV) as s:
         # Dropped in while running, then offered to the rescan: another model's valid block.
         bad["another model"] = put(foreign.stem, foreign.read_bytes())
@@ -143,6 +189,9 @@ def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
     assert r["choices"][0]["text"] == nat.answer
     missing = [k for k, p in bad.items() if p.name not in log]
     assert not missing, f"log does not name the rejected {missing}"
+    if UPSTREAM:
+        line = next(l for l in log.splitlines() if bad["wrong signature"].name in l)
+        assert "cache_signature block_size 512" in line, line
 
 
 def test_upstream_patch_applies_and_rescans(native_v4, tmp_path):
@@ -195,19 +244,14 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
 
     import parity
     import pd_bridge_omlx
-    import pd_bridge_vllm
-    import tiny_models
+
+    pd_bridge_vllm = engines.require("pd_bridge_vllm")
 
     model_dir = native.root / native.name
-    model = tiny_models.load(model_dir)
-    v4 = model.args.model_type == "deepseek_v4"
-    cap_inputs = parity.mlx_prefill(
-        model, native.ids[: native.n_blocks * native.block_size], native.block_size,
-        parity.v4_classes() if v4 else parity.mla_classes(), parity.v4_expected if v4 else parity.mla_expected,
-    )
+    cap_inputs = native.capture
     weights = pd_bridge_vllm.Weights.load(str(model_dir))
     server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"shared-secret")
-    capture = pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, server)
+    capture = pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, server, OMLX.omlx_format)
     verdicts = []
 
     def prefill():
@@ -220,7 +264,7 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
     with omlx_server.serve(native.root, cache, tmp_path / "home", model=native.name, extra_env=BRIDGE_ENV) as s:
         producer = threading.Thread(target=prefill)
         producer.start()
-        writer = pd_bridge_omlx.BlockWriter(str(cache), str(s.model_path), native.block_size, native.ids)
+        writer = pd_bridge_omlx.BlockWriter(str(cache), s.cache_model_name, native.block_size, native.ids, OMLX.omlx_format)
         arrived = []
         blocks, verdict = pd_bridge_omlx.ingest(
             "127.0.0.1", server.port, b"shared-secret", "req-1", pd_bridge_omlx.Weights.load(str(model_dir)).fingerprint,

@@ -112,9 +112,13 @@ fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mu
 
 #[pymethods]
 impl Capture {
+    /// `omlx_format`: the decoder's oMLX block format, as the decode host's capture spec names
+    /// it (default the fork's); it decides the overlap semantics and what segments carry.
     #[new]
-    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer) -> PyResult<Self> {
-        let inner = CoreCapture::new(weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
+    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None))]
+    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>) -> PyResult<Self> {
+        let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
+        let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
         Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0 })
     }
 

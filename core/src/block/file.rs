@@ -22,6 +22,8 @@ pub enum TensorData<'a> {
     Bf16(&'a [bf16]),
     /// The `(1,)` float32 zero.
     ZeroF32,
+    /// Two little-endian i64 (a pooled-row range).
+    I64Pair([i64; 2]),
 }
 
 impl TensorData<'_> {
@@ -29,12 +31,17 @@ impl TensorData<'_> {
         match self {
             TensorData::Bf16(v) => v.len() * 2,
             TensorData::ZeroF32 => 4,
+            TensorData::I64Pair(_) => 16,
         }
     }
 
     fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
         match self {
             TensorData::ZeroF32 => w.write_all(&[0; 4]),
+            TensorData::I64Pair([a, b]) => {
+                w.write_all(&a.to_le_bytes())?;
+                w.write_all(&b.to_le_bytes())
+            }
             TensorData::Bf16(v) => {
                 let mut buf = [0u8; 8192];
                 for chunk in v.chunks(buf.len() / 2) {

@@ -14,13 +14,13 @@ use safetensors::SafeTensors;
 use serde_json::Value;
 
 use super::chain::ChainHash;
-
-/// Format versions oMLX 0.7 reads (`_READABLE_CACHE_FORMAT_VERSIONS`).
-pub const READABLE_VERSIONS: [&str; 2] = ["2", "3"];
+use crate::format::OmlxFormat;
 
 /// What the caller expects of a block, where it knows.
 #[derive(Clone, Debug, Default)]
 pub struct Expect {
+    /// The oMLX the block is for: its readable versions, signature and layout rules.
+    pub format: OmlxFormat,
     pub model_name: Option<String>,
     pub num_layers: Option<usize>,
     pub block_size: Option<usize>,
@@ -59,8 +59,9 @@ pub fn inspect(path: &Path, expect: &Expect) -> Result<BlockInfo, String> {
     let get = |k: &str| meta.get(k).map(String::as_str).ok_or_else(|| format!("metadata has no {k}"));
 
     let version = get("omlx_cache_format_version")?;
-    if !READABLE_VERSIONS.contains(&version) {
-        return Err(format!("format version {version:?} is not supported (readable: {READABLE_VERSIONS:?})"));
+    let readable = expect.format.readable_versions();
+    if !readable.contains(&version) {
+        return Err(format!("format version {version:?} is not supported by {} (readable: {readable:?})", expect.format));
     }
     let stated = get("block_hash")?;
     if stated != stem {
@@ -86,8 +87,12 @@ pub fn inspect(path: &Path, expect: &Expect) -> Result<BlockInfo, String> {
         }
     }
 
-    // Every tensor oMLX's reconstruction will ask for must be there.
     let types: Value = serde_json::from_str(get("layer_cache_types")?).map_err(|e| format!("layer_cache_types is not JSON: {e}"))?;
+    if let Some(layout) = expect.format.payload_layout() {
+        check_signature(&get, layout, &model_name, num_layers, token_count, &types)?;
+    }
+
+    // Every tensor oMLX's reconstruction will ask for must be there.
     let types = types.as_array().ok_or("layer_cache_types is not a list")?;
     if types.len() != num_layers {
         return Err(format!("layer_cache_types lists {} layers, num_layers says {num_layers}", types.len()));
@@ -113,6 +118,44 @@ pub fn inspect(path: &Path, expect: &Expect) -> Result<BlockInfo, String> {
         }
     }
     Ok(BlockInfo { hash, token_count, num_layers, model_name, file_size })
+}
+
+/// Upstream's compatibility identity: `block_size`, `payload_layout` and a `cache_signature`
+/// that agrees with the block's own metadata (what oMLX's startup scan compares against the
+/// loaded model; a block failing it would be swept as incompatible).
+fn check_signature<'m>(get: &dyn Fn(&str) -> Result<&'m str, String>, layout: &str, model_name: &str, num_layers: usize, token_count: usize, types: &Value) -> Result<(), String> {
+    let block_size: usize = get("block_size")?.parse().map_err(|_| "metadata block_size is not an integer".to_string())?;
+    if block_size != token_count {
+        return Err(format!("metadata block_size {block_size} but the block holds {token_count} tokens"));
+    }
+    let stated = get("payload_layout")?;
+    if stated != layout {
+        return Err(format!("payload layout {stated:?}, this oMLX reads {layout:?}"));
+    }
+    let sig: Value = serde_json::from_str(get("cache_signature")?).map_err(|e| format!("cache_signature is not JSON: {e}"))?;
+    let field = |k: &str| sig.get(k).ok_or_else(|| format!("cache_signature has no {k}"));
+    let mismatch = |k: &str, v: &Value, want: &dyn std::fmt::Display| format!("cache_signature {k} {v} does not match the block's {want}");
+    let v = field("model_name")?;
+    if v.as_str() != Some(model_name) {
+        return Err(mismatch("model_name", v, &format!("{model_name:?}")));
+    }
+    let v = field("num_layers")?;
+    if v.as_u64() != Some(num_layers as u64) {
+        return Err(mismatch("num_layers", v, &num_layers));
+    }
+    let v = field("block_size")?;
+    if v.as_u64() != Some(block_size as u64) {
+        return Err(mismatch("block_size", v, &block_size));
+    }
+    let v = field("layer_cache_types")?;
+    if v != types {
+        return Err(mismatch("layer_cache_types", v, types));
+    }
+    let v = field("payload_layout")?;
+    if v.as_str() != Some(layout) {
+        return Err(mismatch("payload_layout", v, &layout));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -148,7 +191,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let h = "a".repeat(64);
         let good = block(&dir, &h, |_| {});
-        let info = inspect(&good, &Expect { model_name: Some("/m".into()), num_layers: Some(1), block_size: Some(4) }).unwrap();
+        let info = inspect(&good, &Expect { model_name: Some("/m".into()), num_layers: Some(1), block_size: Some(4), ..Default::default() }).unwrap();
         assert_eq!(info.token_count, 4);
 
         let set = |k: &'static str, v: &'static str| move |m: &mut Vec<(String, String)>| m.iter_mut().filter(|e| e.0 == k).for_each(|e| e.1 = v.into());

@@ -10,6 +10,7 @@ use super::chain::{chain, ChainHash};
 use super::file::{write_pending, Tensor};
 use super::layout::{block_contents, contents, LayerView};
 use crate::error::{CoreError, Result};
+use crate::format::OmlxFormat;
 use crate::pooler::LayerState;
 use crate::segment::Segment;
 
@@ -29,6 +30,7 @@ pub struct Written {
 }
 
 pub struct BlockWriter {
+    format: OmlxFormat,
     cache_dir: PathBuf,
     model_name: String,
     block_size: usize,
@@ -38,15 +40,25 @@ pub struct BlockWriter {
 }
 
 impl BlockWriter {
-    /// `tokens`: the request's token ids as oMLX tokenized them; `model_name`: oMLX's model
-    /// string (the model directory path it loaded); `block_size`: oMLX's block size.
+    /// Blocks for the fork (flyto-mlx 0.7.0); see [`Self::with_format`].
     pub fn new(cache_dir: impl Into<PathBuf>, model_name: impl Into<String>, block_size: usize, tokens: &[u32]) -> Result<Self> {
+        Self::with_format(OmlxFormat::Fork070, cache_dir, model_name, block_size, tokens)
+    }
+
+    /// `tokens`: the request's token ids as oMLX tokenized them; `model_name`: oMLX's model
+    /// string (per [`OmlxFormat::model_name_rule`]: the fork's model directory path, upstream's
+    /// model id); `block_size`: oMLX's block size.
+    pub fn with_format(format: OmlxFormat, cache_dir: impl Into<PathBuf>, model_name: impl Into<String>, block_size: usize, tokens: &[u32]) -> Result<Self> {
         if block_size == 0 {
             return Err(CoreError::config("block_size", "must be positive"));
         }
         let model_name = model_name.into();
         let chain = chain(&model_name, tokens, block_size);
-        Ok(BlockWriter { cache_dir: cache_dir.into(), model_name, block_size, chain, in_flight: Mutex::new(None) })
+        Ok(BlockWriter { format, cache_dir: cache_dir.into(), model_name, block_size, chain, in_flight: Mutex::new(None) })
+    }
+
+    pub fn format(&self) -> OmlxFormat {
+        self.format
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -68,7 +80,7 @@ impl BlockWriter {
             return Ok(w);
         }
         let (start, end) = (index * self.block_size, (index + 1) * self.block_size);
-        let contents = block_contents(&self.model_name, &hash, layers, start, end, now())?;
+        let contents = block_contents(self.format, &self.model_name, &hash, layers, start, end, now())?;
         self.finish(index, &hash, path, &contents.tensors, &contents.metadata)
     }
 
@@ -78,7 +90,7 @@ impl BlockWriter {
         if let Some(w) = existing {
             return Ok(w);
         }
-        let c = contents(&self.model_name, &hash, self.block_size, views, now());
+        let c = contents(self.format, &self.model_name, &hash, self.block_size, views, now())?;
         self.finish(index, &hash, path, &c.tensors, &c.metadata)
     }
 
@@ -96,9 +108,21 @@ impl BlockWriter {
         if let Some(w) = existing {
             return Ok(w);
         }
+        self.check_segment(seg)?;
         let views: Vec<LayerView<'_>> = seg.views()?;
-        let c = contents(&self.model_name, &hash, self.block_size, &views, now());
+        let c = contents(self.format, &self.model_name, &hash, self.block_size, &views, now())?;
         self.finish(index, &hash, path, &c.tensors, &c.metadata)
+    }
+
+    /// A segment computed for another oMLX block format must not be written as this one.
+    pub fn check_segment(&self, seg: &Segment) -> Result<()> {
+        if seg.header.omlx_format != self.format.name() {
+            return Err(CoreError::wire(format!(
+                "segment {} was computed for oMLX block format {:?}, this decode host writes {:?}",
+                seg.header.index, seg.header.omlx_format, self.format.name()
+            )));
+        }
+        Ok(())
     }
 
     fn target(&self, index: usize) -> Result<(ChainHash, PathBuf, Option<Written>)> {

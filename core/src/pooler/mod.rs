@@ -5,10 +5,12 @@
 //! window, the compressor pools with their remainder rows, the indexer pool; for MLA the latent
 //! and the rotated key. How the input is chunked never changes the result.
 //!
-//! The one thing the result does depend on is where the *decoder* splits its own prefill into
-//! forward calls: oMLX's DeepSeek-V4 compressor (flyto-mlx/oMLX 0.7) starts the ratio-4 overlap
-//! afresh in every forward call (the first window of a call sees a zero previous window). That
-//! grid is [`DecoderSteps`], fixed per cache and independent of the input chunking.
+//! With the fork (flyto-mlx 0.7.0) the result also depends on where the *decoder* splits its own
+//! prefill into forward calls: its DeepSeek-V4 compressor starts the ratio-4 overlap afresh in
+//! every forward call (the first window of a call sees a zero previous window). That grid is
+//! [`DecoderSteps`], fixed per cache and independent of the input chunking. Upstream oMLX
+//! (0.5.2rc1 on, #2271) carries the previous window across calls ([`Overlap::Carried`]): there
+//! the grid changes nothing.
 
 mod mla;
 mod v4;
@@ -18,24 +20,41 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::error::{CoreError, Result};
+pub use crate::format::{Overlap, WindowRows};
+use crate::format::OmlxFormat;
 use crate::weights::{DecoderWeights, LayerWeights};
 
 pub use mla::MlaLayerState;
 pub use v4::{V4BlockView, V4LayerState};
 
 /// Where the decoder starts each prefill forward call: at every multiple of `step` tokens
-/// (oMLX prefills block by block, so this is its cache block size).
+/// (oMLX prefills block by block, so this is its cache block size), and whether its ratio-4
+/// overlap restarts at each call or carries across.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecoderSteps {
     pub step: usize,
+    pub overlap: Overlap,
+    /// What a block keeps of a compressed layer's window (decides how many rows to retain).
+    pub window_rows: WindowRows,
 }
 
 impl DecoderSteps {
+    /// The fork's semantics (the overlap restarts at every call, blocks keep the raw window).
     pub fn new(step: usize) -> Result<Self> {
+        Self::for_format(OmlxFormat::Fork070, step)
+    }
+
+    /// The grid and overlap semantics of `format`'s decoder with blocks of `step` tokens.
+    pub fn for_format(format: OmlxFormat, step: usize) -> Result<Self> {
         if step == 0 {
             return Err(CoreError::config("decoder_step", "must be positive"));
         }
-        Ok(DecoderSteps { step })
+        Ok(DecoderSteps { step, overlap: format.overlap(), window_rows: format.window_rows() })
+    }
+
+    /// Whether a ratio-4 window ending at `base` is the previous window of the one starting there.
+    pub fn carries(&self, base: usize, ratio: usize) -> bool {
+        base > 0 && (self.overlap == Overlap::Carried || self.call_of(base - 1) == self.call_of(base + ratio - 1))
     }
 
     /// Index of the decoder forward call that processes token `t`.

@@ -3,7 +3,7 @@
 
 use half::bf16;
 
-use super::{ArrayView, DecoderSteps, StateArray};
+use super::{ArrayView, DecoderSteps, StateArray, WindowRows};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
 use crate::weights::{CompressorWeights, V4LayerWeights};
@@ -18,6 +18,8 @@ use crate::weights::{CompressorWeights, V4LayerWeights};
 struct Window {
     size: usize,
     retain: usize,
+    /// Blocks store a compressed layer's raw rotating buffer (the fork), not its last `size` rows.
+    raw: bool,
     steps: DecoderSteps,
     head_dim: usize,
     eps: f32,
@@ -162,14 +164,12 @@ impl Compressor {
     }
 
     /// `_overlap_compress_kv` for one window: the gate gets `bf16(ape)` added in bf16; lane A
-    /// (first half of the features) comes from the previous window of the same decoder call —
-    /// zeros with a -inf gate for the first window of a call — and lane B from this window; an
+    /// (first half of the features) comes from the previous window — with the fork only one of
+    /// the same decoder call, else zeros with a -inf gate — and lane B from this window; an
     /// 8-row precise softmax, weights in bf16, bf16 products summed in f32, rounded once.
     fn overlap_pool(&self, w: &CompressorWeights, kv: &[bf16], gate: &[bf16], base: usize) -> Vec<bf16> {
         let (r, d, h) = (self.ratio, self.out_dim, self.head_dim);
-        let prev = self.prev.as_ref().filter(|(_, _, prev_end)| {
-            *prev_end == base && base > 0 && self.steps.call_of(base - 1) == self.steps.call_of(base + r - 1)
-        });
+        let prev = self.prev.as_ref().filter(|(_, _, prev_end)| *prev_end == base && self.steps.carries(base, r));
         let gated = |g: &[bf16], k: usize, c: usize| round_bf16(g[k * d + c].to_f32() + round_bf16(w.ape[k * d + c]).to_f32());
         let mut vals = vec![0f32; 2 * r];
         let mut wts = vec![0f32; 2 * r];
@@ -210,11 +210,37 @@ impl Compressor {
         [ArrayView::new(self.out_dim, &self.buf_kv), ArrayView::new(self.out_dim, &self.buf_gate), ArrayView::new(self.head_dim, &self.pooled)]
     }
 
-    fn snapshot(&self, pooled: &'static str, buf_kv: &'static str, buf_gate: &'static str, out: &mut Vec<StateArray>) {
+    /// The previous window `(kv, gate)` (`[ratio, out_dim]` raw rows) an overlap compressor
+    /// carries, when it carries one: upstream's `PoolingCache.prev_win_kv/gate`.
+    fn prev_view(&self) -> Option<[ArrayView<'_>; 2]> {
+        if !self.overlap || self.steps.overlap != super::Overlap::Carried {
+            return None;
+        }
+        self.prev.as_ref().map(|(kv, g, _)| [ArrayView::new(self.out_dim, kv), ArrayView::new(self.out_dim, g)])
+    }
+
+    fn snapshot(&self, prefix: &'static str, out: &mut Vec<StateArray>) {
         let rem = self.buf_kv.len() / self.out_dim;
-        out.push(StateArray { name: pooled, shape: vec![self.pooled.len() / self.head_dim, self.head_dim], data: self.pooled.clone() });
-        out.push(StateArray { name: buf_kv, shape: vec![rem, self.out_dim], data: self.buf_kv.clone() });
-        out.push(StateArray { name: buf_gate, shape: vec![rem, self.out_dim], data: self.buf_gate.clone() });
+        let name = |n: &'static str| -> &'static str {
+            match (prefix, n) {
+                ("", n) => n,
+                (_, "pooled") => "idx_pooled",
+                (_, "buf_kv") => "idx_buf_kv",
+                (_, "buf_gate") => "idx_buf_gate",
+                (_, "prev_kv") => "idx_prev_kv",
+                _ => "idx_prev_gate",
+            }
+        };
+        out.push(StateArray { name: name("pooled"), shape: vec![self.pooled.len() / self.head_dim, self.head_dim], data: self.pooled.clone() });
+        out.push(StateArray { name: name("buf_kv"), shape: vec![rem, self.out_dim], data: self.buf_kv.clone() });
+        out.push(StateArray { name: name("buf_gate"), shape: vec![rem, self.out_dim], data: self.buf_gate.clone() });
+        // Upstream's PoolingCache also holds the previous ratio-4 window (empty: None).
+        if self.steps.overlap == super::Overlap::Carried {
+            let (kv, gate) = self.prev_view().map_or((Vec::new(), Vec::new()), |[k, g]| (k.data.to_vec(), g.data.to_vec()));
+            let rows = kv.len() / self.out_dim;
+            out.push(StateArray { name: name("prev_kv"), shape: vec![rows, self.out_dim], data: kv });
+            out.push(StateArray { name: name("prev_gate"), shape: vec![rows, self.out_dim], data: gate });
+        }
     }
 }
 
@@ -243,7 +269,11 @@ impl V4LayerState {
             processed: 0,
             window: Window {
                 size: plan.sliding_window,
-                retain: plan.sliding_window - 1 + steps.step,
+                retain: match steps.window_rows {
+                    WindowRows::Raw => plan.sliding_window - 1 + steps.step,
+                    WindowRows::Window => plan.sliding_window,
+                },
+                raw: steps.window_rows == WindowRows::Raw,
                 steps,
                 head_dim: plan.head_dim,
                 eps: plan.rms_norm_eps,
@@ -296,13 +326,16 @@ impl V4LayerState {
     /// and its pools.
     pub fn block_view(&self) -> V4BlockView<'_> {
         let hd = self.window.head_dim;
-        let rows = if self.is_cache_list() { self.window.raw_rows(self.processed) } else { self.processed.min(self.window.size) };
+        let raw = self.is_cache_list() && self.window.raw;
+        let rows = if raw { self.window.raw_rows(self.processed) } else { self.processed.min(self.window.size) };
         V4BlockView {
             offset: self.processed,
             sliding_window: self.window.size,
             ratio: self.ratio(),
             window: ArrayView::new(hd, self.window.tail(rows)),
             pools: self.compressor.iter().chain(self.indexer.iter()).map(Compressor::views).collect(),
+            pool_first: self.compressor.iter().chain(self.indexer.iter()).map(|c| c.drained).collect(),
+            prev: self.compressor.iter().chain(self.indexer.iter()).map(Compressor::prev_view).collect(),
         }
     }
 
@@ -321,10 +354,10 @@ impl V4LayerState {
         let rows = self.processed.min(self.window.size);
         let mut out = vec![StateArray { name: "window", shape: vec![rows, hd], data: self.window.tail(rows).to_vec() }];
         if let Some(c) = &self.compressor {
-            c.snapshot("pooled", "buf_kv", "buf_gate", &mut out);
+            c.snapshot("", &mut out);
         }
         if let Some(c) = &self.indexer {
-            c.snapshot("idx_pooled", "idx_buf_kv", "idx_buf_gate", &mut out);
+            c.snapshot("idx_", &mut out);
         }
         out
     }
@@ -341,4 +374,9 @@ pub struct V4BlockView<'a> {
     pub window: ArrayView<'a>,
     /// Per pool (compressor, then indexer): `[buf_kv, buf_gate, pooled]`.
     pub pools: Vec<[ArrayView<'a>; 3]>,
+    /// Per pool: the absolute index of `pooled`'s first row (0: the whole pool).
+    pub pool_first: Vec<usize>,
+    /// Per pool: the previous ratio-4 window `[kv, gate]` where the decoder carries it (upstream);
+    /// `None` for ratio-128 pools, before the first window, and with the fork.
+    pub prev: Vec<Option<[ArrayView<'a>; 2]>>,
 }

@@ -13,12 +13,15 @@ import logging
 import sys
 
 from . import enabled
+from .versions import SUPPORTED
 
-_HOOKS = {
-    "omlx.cache.paged_ssd_cache": "install_cache_guard",
-    "omlx.engine_core": "install_bridge",
-    "omlx.server": "install_routes",
-}
+# The modules each supported oMLX's hook points live in (versions.py), without detecting which
+# oMLX is installed here: that waits until one of them is imported.
+_HOOKS = {}
+for _v in SUPPORTED:
+    _HOOKS.setdefault(_v.block_reader[0], "install_cache_guard")
+    _HOOKS.setdefault(_v.request_entry[0], "install_bridge")
+    _HOOKS.setdefault(_v.server, "install_routes")
 
 logger = logging.getLogger("pd_bridge_omlx")
 

@@ -13,6 +13,9 @@ objects, without touching its files:
   loaded, validated against that model; ``GET /pd-bridge/v1/status`` shows the counters.
 
 ``patches/omlx-0.7.0-cache-rescan.patch`` proposes the same as a small public API upstream.
+
+Which oMLX is installed, its block format and the hook points wrapped here come from one table,
+``versions.py``; anything not in it is refused at start, naming what is supported.
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ import logging
 import threading
 from pathlib import Path
 
+import importlib
+
+from . import versions
 from ._native import BlockRejected, inspect_block
+from .versions import UnsupportedOmlxError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("pd_bridge_omlx")
 
-SUPPORTED_OMLX = ("0.7.0",)
+# Distribution versions in the table (older callers compare a version string against it; the
+# check itself goes by distribution, see versions.py).
+SUPPORTED_OMLX = tuple(v for entry in versions.SUPPORTED for v in entry.versions)
 
 _lock = threading.Lock()
 # Serialises our additions to oMLX's SSD index (rescan, the bridge's ingest threads).
@@ -33,20 +42,22 @@ index_lock = threading.Lock()
 _installed = {"cache": False, "server": False, "engine": False}
 
 
-class UnsupportedOmlxError(RuntimeError):
-    pass
-
-
 def check_version() -> str:
-    import omlx
+    """The installed oMLX's description; ``UnsupportedOmlxError`` unless it is in the table."""
+    return versions.detect().describe()
 
-    version = getattr(omlx, "__version__", "unknown")
-    if version not in SUPPORTED_OMLX:
-        raise UnsupportedOmlxError(
-            f"pd-bridge-omlx supports oMLX {', '.join(SUPPORTED_OMLX)}; this is oMLX {version}. "
-            "Unset PD_BRIDGE_OMLX to run oMLX without the bridge, or install a supported oMLX."
-        )
-    return version
+
+def omlx_format() -> str:
+    """The core's block-format name for the installed oMLX."""
+    return versions.detect().omlx_format
+
+
+def _hook(point: tuple[str, str, str]):
+    module, cls, attr = point
+    owner = getattr(importlib.import_module(module), cls)
+    if not hasattr(owner, attr):
+        raise UnsupportedOmlxError(f"{module}.{cls} has no {attr}: not the oMLX the versions table describes ({versions.detect().describe()})")
+    return owner, attr
 
 
 def install_cache_guard() -> None:
@@ -54,21 +65,21 @@ def install_cache_guard() -> None:
     with _lock:
         if _installed["cache"]:
             return
-        check_version()
-        from omlx.cache.paged_ssd_cache import PagedSSDCacheManager
-
-        original = PagedSSDCacheManager._read_file_metadata
+        entry = versions.detect()
+        owner, attr = _hook(entry.block_reader)
+        original = getattr(owner, attr)
+        fmt = entry.omlx_format
 
         def guarded(self, file_path):
             try:
-                inspect_block(str(file_path))
+                inspect_block(str(file_path), omlx_format=fmt)
             except BlockRejected as e:
                 logger.warning("pd-bridge: not serving block %s", e)
                 return None
             return original(self, file_path)
 
         guarded.__wrapped__ = original
-        PagedSSDCacheManager._read_file_metadata = guarded
+        setattr(owner, attr, guarded)
         _installed["cache"] = True
         logger.info("pd-bridge: block validation active for oMLX %s", check_version())
 
@@ -78,17 +89,15 @@ def install_bridge() -> None:
     with _lock:
         if _installed["engine"]:
             return
-        check_version()
+        owner, attr = _hook(versions.detect().request_entry)
         import inspect
         import uuid
-
-        from omlx.engine_core import EngineCore
 
         from .bridge import get_bridge
         from .counters import COUNTERS
         from .verdict import Verdict, current_slot
 
-        original = EngineCore.add_request
+        original = getattr(owner, attr)
         signature = inspect.signature(original)
 
         async def add_request(self, *args, **kwargs):
@@ -122,29 +131,40 @@ def install_bridge() -> None:
                     slot.set(verdict)
 
         add_request.__wrapped__ = original
-        EngineCore.add_request = add_request
+        setattr(owner, attr, add_request)
         _installed["engine"] = True
         logger.info("pd-bridge: decode-side bridge active (%s)", get_bridge().describe())
 
 
 def register_block(manager, path: Path, model_name: str | None, block_size: int | None) -> int | None:
-    """Put one block file into oMLX's SSD index, validated first (against the model and block
-    size when given). Returns its size, or None when oMLX already knew it. Raises
-    ``BlockRejected`` when it must not be served."""
+    """Put one block file into oMLX's SSD index, validated first (against the installed oMLX's
+    block format, and the model and block size when given) and, where this oMLX has one, passed
+    through its own compatibility check (upstream's cache signature). Returns its size, or None
+    when oMLX already knew it. Raises ``BlockRejected`` when it must not be served."""
     try:
         digest = bytes.fromhex(path.stem)
     except ValueError:
         digest = None
     if digest is not None and manager._index.contains(digest):
         return None
-    inspect_block(str(path), model_name=model_name, block_size=block_size)
+    inspect_block(str(path), model_name=model_name, block_size=block_size, omlx_format=omlx_format())
     # Validated just above with the stricter expectations: read the metadata with oMLX's own
     # reader, not through the guard that would validate the file a second time.
     read = type(manager)._read_file_metadata
     meta = getattr(read, "__wrapped__", read)(manager, path)
     if meta is None:
         raise BlockRejected(f"{path}: oMLX could not read its metadata")
+    compatible = getattr(manager, "_is_compatible_block", None)
+    if compatible is not None and not compatible(meta):
+        why = None
+        reason = getattr(manager, "signature_mismatch_reason", None)
+        if reason is not None:
+            why = reason(getattr(meta, "cache_signature", ""))
+        raise BlockRejected(f"{path}: oMLX's compatibility check refuses it ({why or 'model, layer count, block size or layer types differ from the loaded model'})")
     manager._enforce_size_limit_for_new_block()
+    incompatible = getattr(manager, "_incompatible_index", None)
+    if incompatible is not None and digest is not None:
+        incompatible.remove(digest)
     manager._index.add(meta)
     return meta.file_size
 
@@ -185,14 +205,23 @@ def _manager_for(model_id: str):
     return entry, scheduler
 
 
+def cache_model_name(entry, scheduler) -> str:
+    """The model string oMLX hashes into block keys and stamps in blocks: its paged cache
+    manager's (the fork: the model directory path; upstream: the model id), else the table's rule."""
+    pcm = getattr(scheduler, "paged_cache_manager", None)
+    name = getattr(pcm, "model_name", None)
+    return str(name) if name else versions.detect().model_name_for(entry)
+
+
 def install_routes() -> None:
     """Add ``POST /pd-bridge/v1/rescan`` to oMLX's FastAPI app."""
     with _lock:
         if _installed["server"]:
             return
-        check_version()
+        entry = versions.detect()
         from fastapi import Body, HTTPException
-        from omlx.server import app
+
+        app = importlib.import_module(entry.server).app
 
         def rescan_route(payload: dict = Body(...)):
             model_id = payload.get("model") if isinstance(payload, dict) else None
@@ -204,7 +233,7 @@ def install_routes() -> None:
             manager = getattr(scheduler, "paged_ssd_cache_manager", None)
             if manager is None:
                 raise HTTPException(status_code=409, detail=f"model {model_id!r} has no SSD prefix cache (start oMLX with --paged-ssd-cache-dir)")
-            return rescan(manager, model_name=str(entry.model_path), block_size=scheduler.config.paged_cache_block_size)
+            return rescan(manager, model_name=cache_model_name(entry, scheduler), block_size=scheduler.config.paged_cache_block_size)
 
         def status_route():
             from .bridge import get_bridge

@@ -10,7 +10,8 @@ Load it with::
 
 (or set PD_BRIDGE_VLLM_WEIGHTS / PD_BRIDGE_VLLM_PORT / PD_BRIDGE_VLLM_TOKEN /
 PD_BRIDGE_VLLM_ADDRESS). A request is captured when its ``kv_transfer_params`` hold
-``{"pd_capture": {"request_id": "...", "block_size": 256}}`` (optionally ``"fingerprint"``).
+``{"pd_capture": {"request_id": "...", "block_size": 256}}`` (optionally ``"fingerprint"`` and
+``"omlx_format"``, the decoder's block format: its overlap semantics and what segments carry).
 
 Scheduler side (EngineCore process): remembers captured requests (``on_new_request``) and, in
 ``build_connector_meta``, lists for this step every captured request with prompt tokens in it:
@@ -87,6 +88,9 @@ class CaptureSpec:
     request_id: str  # the capture's id on the wire (the decode host asks for it)
     block_size: int
     fingerprint: str | None = None
+    # The decoder's oMLX block format (pd_bridge_omlx.versions), which fixes the overlap
+    # semantics and what segments carry; absent: the fork's ("fork-0.7.0").
+    omlx_format: str | None = None
 
     @staticmethod
     def parse(params: Any) -> CaptureSpec | None:
@@ -103,7 +107,10 @@ class CaptureSpec:
             raise CaptureSpecError(f"{PARAM_KEY}.block_size must be a positive integer, got {bs!r}")
         if fp is not None and not isinstance(fp, str):
             raise CaptureSpecError(f"{PARAM_KEY}.fingerprint must be a string, got {fp!r}")
-        return CaptureSpec(rid, bs, fp)
+        fmt = spec.get("omlx_format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise CaptureSpecError(f"{PARAM_KEY}.omlx_format must be a string, got {fmt!r}")
+        return CaptureSpec(rid, bs, fp, fmt)
 
 
 @dataclass
@@ -315,7 +322,7 @@ class PdBridgeConnector(KVConnectorBase_V1):
         try:
             if spec.fingerprint is not None and spec.fingerprint != self._weights.fingerprint:
                 failure = f"weights fingerprint mismatch: request wants {spec.fingerprint}, this host has {self._weights.fingerprint}"
-            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server)
+            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format)
         except Exception as e:  # a bad block size, say: the request still runs
             failure = f"capture could not start: {e}"
             logger.error("pd-bridge: request %s: %s", req_id, failure)
