@@ -1,7 +1,11 @@
 //! Benchmark: write DeepSeek-V4-Flash-shaped cache state (43 layers at the real dims, random
 //! values) for a long prompt as oMLX blocks, the way the bridge writes them.
 //!
-//!     cargo run --release -p pd-bridge-core --example bench_block_writer -- TOKENS BLOCK_SIZE OUT_DIR
+//!     cargo run --release -p pd-bridge-core --example bench_block_writer -- TOKENS BLOCK_SIZE OUT_DIR [FORMAT]
+//!
+//! FORMAT: `fork-0.7.0` (default: every block carries the full pools and the raw rotating
+//! buffer) or `upstream-0.6.3` (per-block pool deltas with the previous ratio-4 window, 128-row
+//! windows; use BLOCK_SIZE 2048 as upstream does for DeepSeek-V4).
 //!
 //! Prints one JSON line. Timed: `BlockWriter::write_views` for every block (building the
 //! tensors and metadata, writing the temp file; its fsync and rename overlap the next block on
@@ -14,7 +18,9 @@ use std::time::Instant;
 use half::bf16;
 use pd_bridge_core::block::layout::LayerView;
 use pd_bridge_core::block::BlockWriter;
+use pd_bridge_core::format::PoolLayout;
 use pd_bridge_core::pooler::{ArrayView, V4BlockView};
+use pd_bridge_core::OmlxFormat;
 
 const LAYERS: usize = 43;
 const HEAD: usize = 512;
@@ -52,6 +58,8 @@ fn main() {
     let tokens: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(65536);
     let block: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(512);
     let out = std::path::PathBuf::from(args.get(3).cloned().unwrap_or_else(|| "/tmp/pd-bench-rust".into()));
+    let format = OmlxFormat::from_name(args.get(4).map(String::as_str).unwrap_or("fork-0.7.0")).expect("format");
+    let delta = format.pool_layout() == PoolLayout::Delta;
     let _ = std::fs::remove_dir_all(&out);
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     // A raw rotating buffer is at most WINDOW - 1 + block rows; one random buffer serves all.
@@ -66,9 +74,12 @@ fn main() {
             r => vec![Vec::with_capacity(tokens / r * HEAD)],
         })
         .collect();
-    let model = "/bench/DeepSeek-V4-Flash";
+    let model = if delta { "DeepSeek-V4-Flash" } else { "/bench/DeepSeek-V4-Flash" };
+    // The previous ratio-4 window upstream carries: [4, 2 * width] raw kv and gate.
+    let mut prev = Vec::new();
+    rng.fill(&mut prev, 4 * 2 * HEAD);
     let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7) % 1000).collect();
-    let writer = BlockWriter::new(&out, model, block, &ids).expect("writer");
+    let writer = BlockWriter::with_format(format, &out, model, block, &ids).expect("writer");
     let mut previous: Option<std::path::PathBuf> = None;
     let (mut bytes, mut seconds, mut blocks) = (0u64, 0f64, 0usize);
     let rss_before = peak_rss_mb();
@@ -85,7 +96,7 @@ fn main() {
         let views: Vec<LayerView<'_>> = (0..LAYERS)
             .map(|l| {
                 let r = ratio(l);
-                let rows = if r == 0 { end.min(WINDOW) } else { end.min(WINDOW - 1 + block) };
+                let rows = if r == 0 || delta { end.min(WINDOW) } else { end.min(WINDOW - 1 + block) };
                 LayerView::V4(V4BlockView {
                     offset: end,
                     sliding_window: WINDOW,
@@ -97,11 +108,17 @@ fn main() {
                         .map(|(j, pooled)| {
                             let w = if j == 0 { HEAD } else { INDEX_HEAD };
                             let od = if r == 4 { 2 * w } else { w };
+                            // Upstream's blocks take only this block's rows (the writer slices them).
                             [ArrayView::new(od, empty), ArrayView::new(od, empty), ArrayView::new(w, pooled)]
                         })
                         .collect(),
                     pool_first: vec![0; pools[l].len()],
-                    prev: vec![None; pools[l].len()],
+                    prev: (0..pools[l].len())
+                        .map(|j| {
+                            let od = 2 * if j == 0 { HEAD } else { INDEX_HEAD };
+                            (delta && r == 4).then(|| [ArrayView::new(od, &prev[..4 * od]), ArrayView::new(od, &prev[..4 * od])])
+                        })
+                        .collect(),
                 })
             })
             .collect();
@@ -119,7 +136,7 @@ fn main() {
     seconds += t0.elapsed().as_secs_f64();
     let state_mb = pools.iter().flatten().map(|p| p.len() * 2).sum::<usize>() as f64 / 1e6 + window.len() as f64 * 2.0 / 1e6;
     println!(
-        "{{\"writer\":\"rust\",\"tokens\":{tokens},\"block_size\":{block},\"blocks\":{blocks},\"bytes\":{bytes},\"seconds\":{seconds:.3},\"gb_per_s\":{:.3},\"tokens_per_s\":{:.0},\"peak_rss_mb\":{:.1},\"rss_before_writing_mb\":{rss_before:.1},\"state_mb\":{state_mb:.1}}}",
+        "{{\"writer\":\"rust\",\"format\":\"{format}\",\"tokens\":{tokens},\"block_size\":{block},\"blocks\":{blocks},\"bytes\":{bytes},\"seconds\":{seconds:.3},\"gb_per_s\":{:.3},\"tokens_per_s\":{:.0},\"peak_rss_mb\":{:.1},\"rss_before_writing_mb\":{rss_before:.1},\"state_mb\":{state_mb:.1}}}",
         bytes as f64 / seconds / 1e9,
         (blocks * block) as f64 / seconds,
         peak_rss_mb()
