@@ -173,7 +173,7 @@ def test_bad_blocks_are_never_served(native_v4, native_mla, tmp_path):
     }
     if UPSTREAM:
         # A well-formed block whose cache signature does not match its own metadata (same length).
-        wrong = good.replace(b'\\"block_size\\":256', b'\\"block_size\\":512', 1)
+        wrong = good.replace(b'\\"block_size\\":256', b'\\"block_size\\":512', 1).replace(hashes[0].encode(), hashes[2].encode())
         assert wrong != good
         bad["wrong signature"] = put(hashes[2], wrong)
     foreign = omlx_server.block_files(native_v4.native_dir)[0]
