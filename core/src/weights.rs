@@ -32,7 +32,7 @@ pub struct Linear {
 pub struct CompressorWeights {
     pub wkv: Linear,
     pub wgate: Linear,
-    /// `[ratio, out_dim]`, float32 as the model keeps it.
+    /// `[ratio, out_dim]`, widened to f32 (exact) from the float32 or bf16 the model stores.
     pub ape: Vec<f32>,
     pub norm: Vec<bf16>,
 }
@@ -123,14 +123,37 @@ impl DecoderWeights {
                     let kv_norm = reader.norm(&format!("{pre}.kv_norm.weight"), p.head_dim)?;
                     let ratio = p.compress_ratios[i];
                     let kind = p.layer_kind(i);
+                    // The config decides which pools a layer has; the weights must agree, as MLX's
+                    // strict load demands (no missing and no extra parameters).
+                    let needed = |e: CoreError| match e {
+                        CoreError::Weights { tensor, reason } if reason == MISSING => {
+                            CoreError::weights(tensor, format!("{reason} (compress_ratios[{i}] is {ratio}, so layer {i} pools)"))
+                        }
+                        e => e,
+                    };
                     let compressor = match kind {
                         V4LayerKind::Window => None,
-                        _ => Some(reader.compressor(&format!("{pre}.compressor"), ratio, p.head_dim, p.hidden_size)?),
+                        _ => Some(reader.compressor(&format!("{pre}.compressor"), ratio, p.head_dim, p.hidden_size).map_err(needed)?),
                     };
                     let indexer = match kind {
-                        V4LayerKind::Sparse => Some(reader.compressor(&format!("{pre}.indexer.compressor"), ratio, p.index_head_dim, p.hidden_size)?),
+                        V4LayerKind::Sparse => {
+                            Some(reader.compressor(&format!("{pre}.indexer.compressor"), ratio, p.index_head_dim, p.hidden_size).map_err(needed)?)
+                        }
                         _ => None,
                     };
+                    let absent: &[&str] = match kind {
+                        V4LayerKind::Window => &["compressor", "indexer"],
+                        V4LayerKind::Compressed => &["indexer"],
+                        V4LayerKind::Sparse => &[],
+                    };
+                    for part in absent {
+                        if let Some(name) = store.first_under(&format!("{pre}.{part}.")) {
+                            return Err(CoreError::weights(
+                                name,
+                                format!("present, but compress_ratios[{i}] is {ratio}, which gives layer {i} no {part}; MLX refuses weights its model does not have"),
+                            ));
+                        }
+                    }
                     layers.push(LayerWeights::V4(V4LayerWeights { wkv, kv_norm, compressor, indexer }));
                 }
             }
@@ -230,6 +253,13 @@ impl TensorStore {
         Ok(TensorStore { maps, index })
     }
 
+    /// The first tensor name (in sorted order) that starts with `prefix`.
+    fn first_under(&self, prefix: &str) -> Option<&str> {
+        use std::ops::Bound;
+        let (name, _) = self.index.range::<str, _>((Bound::Included(prefix), Bound::Unbounded)).next()?;
+        name.starts_with(prefix).then_some(name.as_str())
+    }
+
     fn get(&self, name: &str) -> Result<Option<safetensors::tensor::TensorView<'_>>> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
         let (path, map) = &self.maps[i];
@@ -237,6 +267,8 @@ impl TensorStore {
         st.tensor(name).map(Some).map_err(|e| CoreError::weights(name, e.to_string()))
     }
 }
+
+const MISSING: &str = "missing from the model files";
 
 /// A tensor as stored: name, dtype, shape, little-endian bytes.
 type RecordedTensor = (String, Dtype, Vec<usize>, Vec<u8>);
@@ -250,7 +282,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn tensor(&mut self, name: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
-        let t = self.store.get(name)?.ok_or_else(|| CoreError::weights(name, "missing from the model files"))?;
+        let t = self.store.get(name)?.ok_or_else(|| CoreError::weights(name, MISSING))?;
         let (dtype, shape, data) = (t.dtype(), t.shape().to_vec(), t.data().to_vec());
         self.hasher.update(name.as_bytes());
         self.hasher.update(format!("\0{dtype:?}{shape:?}\0").as_bytes());
@@ -328,9 +360,16 @@ impl Reader<'_> {
         let ape_name = format!("{pre}.ape");
         let (dt, shape, bytes) = self.tensor(&ape_name)?;
         Self::expect_shape(&ape_name, &shape, &[ratio, out_dim])?;
+        // oMLX keeps `ape` in the dtype it was stored in: float32 as the model initialises it,
+        // or bf16 where a converter cast it. Its two uses then compute the same either way once
+        // a bf16 `ape` is widened exactly to f32: the simple pool adds it to an f32 gate (MLX
+        // promotes bf16 + f32 to f32, the widening exact) and the overlap pool casts it to the
+        // gate's bf16 first (a no-op on bf16). The fingerprint hashes the bytes as stored, dtype
+        // included, so an f32 and a bf16 `ape` of equal values still fingerprint differently.
         let ape = match dt {
             Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            other => return Err(CoreError::weights(&ape_name, format!("dtype {other:?}, expected F32 (as oMLX loads it)"))),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => return Err(CoreError::weights(&ape_name, format!("dtype {other:?} is not supported (F32 or BF16, as oMLX loads it)"))),
         };
         let norm = self.norm(&format!("{pre}.norm.weight"), head_dim)?;
         Ok(CompressorWeights { wkv, wgate, ape, norm })

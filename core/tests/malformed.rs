@@ -30,7 +30,53 @@ fn missing_tensor_is_named() {
     }
     Tensors(t).write(&dir.join("model.safetensors"));
     let e = load_err(&dir).to_string();
-    assert_eq!(e, "weight model.layers.1.attn.compressor.ape: missing from the model files");
+    assert_eq!(e, "weight model.layers.1.attn.compressor.ape: missing from the model files (compress_ratios[1] is 4, so layer 1 pools)");
+}
+
+fn with_ratios(dir: &std::path::Path, ratios: &str) {
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(dir.join("config.json"), cfg.replace(r#""compress_ratios":[0,4,128]"#, &format!(r#""compress_ratios":{ratios}"#))).unwrap();
+}
+
+/// The config's compress ratios and the pools the weights hold must agree, as MLX's strict load
+/// demands: a window-only layer with compressor weights, a ratio-128 layer with indexer weights
+/// and a pooling layer without compressor weights are all refused, naming layer and tensor.
+#[test]
+fn ratios_must_match_the_pools_in_the_weights() {
+    let dir = v4_model_dir(9);
+    with_ratios(&dir, "[0,0,128]");
+    assert_eq!(
+        load_err(&dir).to_string(),
+        "weight model.layers.1.attn.compressor.ape: present, but compress_ratios[1] is 0, which gives layer 1 no compressor; \
+         MLX refuses weights its model does not have"
+    );
+
+    let dir = v4_model_dir(9);
+    with_ratios(&dir, "[4,4,128]");
+    assert_eq!(
+        load_err(&dir).to_string(),
+        "weight model.layers.0.attn.compressor.wkv.weight: missing from the model files (compress_ratios[0] is 4, so layer 0 pools)"
+    );
+
+    // Ratio 4 and ratio 128 pools have different shapes.
+    let dir = v4_model_dir(9);
+    with_ratios(&dir, "[0,4,4]");
+    assert!(load_err(&dir).to_string().starts_with("weight model.layers.2.attn.compressor.wkv.weight: shape [16, 32], expected [32, 32]"));
+
+    let dir = v4_model_dir(9);
+    let path = dir.join("model.safetensors");
+    let st = std::fs::read(&path).unwrap();
+    let mut t = BTreeMap::new();
+    for (name, view) in safetensors::SafeTensors::deserialize(&st).unwrap().tensors() {
+        t.insert(name, (view.dtype(), view.shape().to_vec(), view.data().to_vec()));
+    }
+    t.insert("model.layers.2.attn.indexer.weights_proj.weight".into(), (Dtype::BF16, vec![4, V4_HIDDEN], vec![0; 8 * V4_HIDDEN]));
+    Tensors(t).write(&path);
+    assert_eq!(
+        load_err(&dir).to_string(),
+        "weight model.layers.2.attn.indexer.weights_proj.weight: present, but compress_ratios[2] is 128, which gives layer 2 no indexer; \
+         MLX refuses weights its model does not have"
+    );
 }
 
 #[test]
