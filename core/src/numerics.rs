@@ -199,12 +199,16 @@ impl Rope {
         Self::from_freqs(&freqs, 1)
     }
 
-    /// Plain RoPE with a base (`nn.RoPE`): MLX's kernel derives these frequencies internally; this
-    /// is the closest f32 formula (≥99.8% identical on this CPU, see README).
+    /// Plain RoPE with a base (`nn.RoPE`, `mx.fast.rope(base=…)`, scale 1). MLX's CPU rope
+    /// derives the inverse frequencies itself (`fast.cpp`, the fallback the CPU runs):
+    /// `exp(arange(0, -dims/2, -1) · f32(logf(base) / (dims/2)))`, an f32 multiply and MLX's own
+    /// `exp` ([`mlx_exp`]), not `base ** (-2j/dims)`. (Metal's kernel computes
+    /// `exp2(-j/(dims/2) · log2(base))` instead; that path is unverified here.)
     pub fn plain(dims: usize, base: f32) -> Self {
         let half = dims / 2;
-        let freqs: Vec<f32> = (0..half).map(|j| pow_f32(base, (2 * j) as f32 / dims as f32)).collect();
-        Self::from_freqs(&freqs, 1)
+        // `std::log(float)` is the platform's logf, as Rust's `f32::ln` is.
+        let coef = base.ln() / half as f32;
+        Rope { inv_freq: (0..half).map(|j| mlx_exp(-(j as f32) * coef)).collect(), freq_scale: 1 }
     }
 
     /// Number of rotated features (the trailing ones of a row).
@@ -236,8 +240,9 @@ impl Rope {
             let tail = &mut row[nope..];
             for (j, inv) in self.inv_freq.iter().enumerate() {
                 let theta = pos * inv;
-                let c = round_bf16((theta as f64).cos() as f32).to_f32();
-                let s = round_bf16((theta as f64).sin() as f32).to_f32();
+                let (s, c) = mlx_sincos(theta);
+                let c = round_bf16(c).to_f32();
+                let s = round_bf16(s).to_f32();
                 let x1 = tail[2 * j].to_f32();
                 let x2 = tail[2 * j + 1].to_f32();
                 let a = round_bf16(x1 * c).to_f32();
@@ -249,6 +254,43 @@ impl Rope {
             }
         }
     }
+}
+
+/// MLX's CPU `sin`/`cos` (`simd::sincos`, Cephes single precision: octant from `x·4/π`
+/// truncated to an integer, a three-part fused reduction, two degree-3 polynomials), with its
+/// hand-over to the platform's `sinf`/`cosf` past `|x| > 2^23`, one element at a time as the
+/// CPU backend runs it off Accelerate. Not correctly rounded: a correctly rounded cos/sin
+/// differs from it in the last f32 bits, which after the bf16 rounding changes about one
+/// rotated value in 250,000.
+#[allow(clippy::excessive_precision)]
+pub fn mlx_sincos(v: f32) -> (f32, f32) {
+    if v.abs() > 8388608.0 {
+        return (v.sin(), v.cos());
+    }
+    let x = v.abs();
+    let y = x * 1.27323954473516f32;
+    let emm2 = ((y as u32).wrapping_add(1)) & !1u32;
+    let y = emm2 as f32;
+    let poly_sin_first = (emm2 & 2) != 0;
+    let mut x = y.mul_add(-0.78515625f32, x);
+    x = y.mul_add(-2.4187564849853515625e-4f32, x);
+    x = y.mul_add(-3.77489497744594108e-8f32, x);
+    let neg_sin = (v < 0.0) ^ ((emm2 & 4) != 0);
+    let pos_cos = (emm2.wrapping_sub(2) & 4) != 0;
+    let z = x * x;
+    let mut y1 = z.mul_add(2.443315711809948e-5f32, -1.388731625493765e-3f32);
+    let mut y2 = z.mul_add(-1.9515295891e-4f32, 8.3321608736e-3f32);
+    y1 = y1.mul_add(z, 4.166664568298827e-2f32);
+    y2 = y2.mul_add(z, -1.6666654611e-1f32);
+    y1 *= z;
+    y2 *= z;
+    y1 *= z;
+    y2 = x.mul_add(y2, x);
+    y1 = z.mul_add(-0.5f32, y1);
+    y1 += 1.0f32;
+    let ys = if poly_sin_first { y1 } else { y2 };
+    let yc = if poly_sin_first { y2 } else { y1 };
+    (if neg_sin { -ys } else { ys }, if pos_cos { yc } else { -yc })
 }
 
 /// `base ** e` in f32 as MLX's `power` computes it (correctly rounded on the values used here).
@@ -303,6 +345,41 @@ mod tests {
         }
         assert_eq!(mlx_exp(100.0), f32::INFINITY);
         assert_eq!(mlx_exp(-100.0), 0.0);
+    }
+
+    /// Bit patterns recorded from mlx 0.32.3 (`mx.sin`/`mx.cos` on the CPU, x86-64 Linux),
+    /// including arguments where MLX's value is not the correctly rounded one. (Past 2^23 both
+    /// hand over to the platform's libm, which is not pinned here.)
+    #[test]
+    fn sincos_is_mlx_cpu_bit_for_bit() {
+        let cases: [(u32, u32, u32); 8] = [
+            (0x0000_0000, 0x0000_0000, 0x3f80_0000),
+            (0x3f00_0000, 0x3ef5_7744, 0x3f60_a940),
+            (0xbfa0_0000, 0xbf72_f0a8, 0x3ea1_71ef),
+            (0x4640_e6b6, 0xbf34_4b08, 0x3f35_be20),
+            (0xc7c0_e6b3, 0xbc0c_cd2b, 0x3f7f_fd94),
+            (0x4aff_fffe, 0x3f7e_0a54, 0xbdfc_eb5e),
+            (0xc83c_db3d, 0, 0x3eb5_f82c), // correctly rounded cos: 0x3eb5f82d
+            (0x4726_9e4f, 0, 0xbf1e_19a3), // correctly rounded cos: 0xbf1e19a2
+        ];
+        for (x, s, c) in cases {
+            let (ms, mc) = mlx_sincos(f32::from_bits(x));
+            if s != 0 || x == 0 {
+                assert_eq!(ms.to_bits(), s, "sin {x:#x}");
+            }
+            assert_eq!(mc.to_bits(), c, "cos {x:#x}");
+        }
+        assert_eq!(mlx_sincos(-0.0).0.to_bits(), 0, "MLX's sin(-0) is +0");
+    }
+
+    /// `nn.RoPE(64, base=10000)`'s inverse frequencies as MLX's CPU rope derives them
+    /// (`exp(-j · logf(base)/32)` with MLX's exp), recorded from mlx 0.32.3.
+    #[test]
+    fn plain_rope_inverse_frequencies_are_mlx_cpu() {
+        let r = Rope::plain(64, 10000.0);
+        for (j, bits) in [(0, 0x3f80_0000u32), (1, 0x3f3f_f911), (5, 0x3e72_d421), (17, 0x3bf5_b9af), (31, 0x390b_d46f)] {
+            assert_eq!(r.inv_freq[j].to_bits(), bits, "pair {j}");
+        }
     }
 
     #[test]

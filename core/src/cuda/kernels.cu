@@ -16,6 +16,43 @@ __device__ __forceinline__ bf16 rnd(float f) {
 }
 __device__ __forceinline__ float rndf(float f) { return widen(rnd(f)); }
 
+// numerics::mlx_sincos (MLX's CPU Cephes sincos; libm past |x| > 2^23, where a double sincos
+// rounded to float stands in for the host's sinf/cosf).
+__device__ void mlx_sincos(float v, float* so, float* co) {
+    if (fabsf(v) > 8388608.0f) {
+        double sd, cd;
+        sincos((double)v, &sd, &cd);
+        *so = (float)sd;
+        *co = (float)cd;
+        return;
+    }
+    float x = fabsf(v);
+    float y = x * 1.27323954473516f;
+    unsigned emm2 = (((unsigned)y) + 1u) & ~1u;
+    y = (float)emm2;
+    bool poly_sin_first = (emm2 & 2u) != 0;
+    x = fmaf(y, -0.78515625f, x);
+    x = fmaf(y, -2.4187564849853515625e-4f, x);
+    x = fmaf(y, -3.77489497744594108e-8f, x);
+    bool neg_sin = (v < 0.0f) != ((emm2 & 4u) != 0);
+    bool pos_cos = ((emm2 - 2u) & 4u) != 0;
+    float z = x * x;
+    float y1 = fmaf(z, 2.443315711809948e-5f, -1.388731625493765e-3f);
+    float y2 = fmaf(z, -1.9515295891e-4f, 8.3321608736e-3f);
+    y1 = fmaf(y1, z, 4.166664568298827e-2f);
+    y2 = fmaf(y2, z, -1.6666654611e-1f);
+    y1 = y1 * z;
+    y2 = y2 * z;
+    y1 = y1 * z;
+    y2 = fmaf(x, y2, x);
+    y1 = fmaf(z, -0.5f, y1);
+    y1 = y1 + 1.0f;
+    float ys = poly_sin_first ? y1 : y2;
+    float yc = poly_sin_first ? y2 : y1;
+    *so = neg_sin ? -ys : ys;
+    *co = pos_cos ? yc : -yc;
+}
+
 // numerics::mlx_exp
 __device__ float mlx_exp(float x) {
     if (x != x) return x;
@@ -134,9 +171,9 @@ extern "C" __global__ void __launch_bounds__(256) norm_rope(const bf16* __restri
             d[2 * j + 1] = rnd(x1 * 0.0f + x2);
         } else {
             float theta = pos * inv_freq[j - nope];
-            double sd, cd;
-            sincos((double)theta, &sd, &cd);
-            float c = rndf((float)cd), sn = rndf((float)sd);
+            float sf, cf;
+            mlx_sincos(theta, &sf, &cf);
+            float c = rndf(cf), sn = rndf(sf);
             float a = rndf(x1 * c), b = rndf(x2 * sn), e = rndf(x1 * sn), f = rndf(x2 * c);
             d[2 * j] = rnd(a - b);
             d[2 * j + 1] = rnd(e + f);
@@ -300,9 +337,9 @@ __device__ void block_norm_rope(float* v, float* sq, float* nrm, int dim, const 
             o2 = rnd(x1 * 0.0f + x2);
         } else {
             float theta = pos * inv_freq[j - nope];
-            double sd, cd;
-            sincos((double)theta, &sd, &cd);
-            float c = rndf((float)cd), sn = rndf((float)sd);
+            float sf, cf;
+            mlx_sincos(theta, &sf, &cf);
+            float c = rndf(cf), sn = rndf(sf);
             float a = rndf(x1 * c), b = rndf(x2 * sn), e = rndf(x1 * sn), f = rndf(x2 * c);
             o1 = rnd(a - b);
             o2 = rnd(e + f);
