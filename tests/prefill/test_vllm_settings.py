@@ -2,10 +2,15 @@
 descriptor path into the native capture."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engines  # noqa: E402
+
+vllm = engines.require("vllm")
 
 
 def test_prefix_caching_is_refused_at_start():

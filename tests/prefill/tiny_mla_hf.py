@@ -115,6 +115,33 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [r.randrange(2, 1000) for _ in range(n)]
 
 
+def fed_chunks(dump: Path, rid: str, kind: str = "in") -> dict[int, list[tuple[int, bytes]]]:
+    """{layer: [(start, bf16 bytes)]} of what the connector dumped for capture ``rid``, in order:
+    ``in`` the attention inputs the tap fed, ``kv`` vLLM's own paged latent rows."""
+    got: dict[int, list[tuple[int, bytes]]] = {}
+    for f in Path(dump).glob(f"{rid}.L*.S*.{kind}.bin"):
+        _, L, S, *_ = f.name[len(rid):].split(".")
+        got.setdefault(int(L[1:]), []).append((int(S[1:]), f.read_bytes()))
+    return {k: sorted(v) for k, v in got.items()}
+
+
+def assert_fed_once(fed: dict[int, list[tuple[int, bytes]]], n: int, rid: str = "", width: int = HIDDEN) -> None:
+    """Every layer got every prompt row exactly once, in order, however vLLM cut the prompt into
+    steps (a busy machine changes how requests share steps; nothing else may change)."""
+    assert sorted(fed) == list(range(LAYERS)), (rid, sorted(fed))
+    for layer, chunks in fed.items():
+        at = 0
+        for start, data in chunks:
+            assert start == at and len(data) % (width * 2) == 0 and data, (rid, layer, [(s, len(b)) for s, b in chunks])
+            at += len(data) // (width * 2)
+        assert at == n, (rid, layer, at, n)
+
+
+def whole(chunks: list[tuple[int, bytes]]) -> bytes:
+    """A layer's dumped chunks joined (``assert_fed_once`` checked they tile the prompt)."""
+    return b"".join(data for _, data in chunks)
+
+
 def block_tensors(d) -> dict[str, dict]:
     """{file name: {tensor name: bytes, '__meta__': metadata minus created_at}} of a block dir."""
     import torch

@@ -84,12 +84,70 @@ def install_cache_guard() -> None:
         logger.info("pd-bridge: block validation active for oMLX %s", check_version())
 
 
+class Admissions:
+    """Bridged requests whose verdict waits for oMLX's prefix lookup (upstream runs it when the
+    scheduler admits the request, after ``add_request`` returned). ``expect`` is called before
+    the request enters oMLX, so an admission on the scheduler's thread cannot be missed;
+    ``admitted`` (that thread) and ``give_up`` (a timer) each finish a request at most once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, object] = {}
+
+    def expect(self, request_id: str, finish) -> None:
+        with self._lock:
+            self._waiting[request_id] = finish
+
+    def _pop(self, request_id: str):
+        with self._lock:
+            return self._waiting.pop(request_id, None)
+
+    def admitted(self, request_id: str, cached_tokens: int) -> None:
+        finish = self._pop(request_id)
+        if finish is not None:
+            finish(cached_tokens)
+
+    def give_up(self, request_id: str) -> None:
+        finish = self._pop(request_id)
+        if finish is not None:
+            finish(None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+
+ADMISSIONS = Admissions()
+
+
+def _install_admission_hook(entry: versions.OmlxVersion) -> None:
+    """Tell ``ADMISSIONS`` how many tokens oMLX took from its prefix cache, right after its lookup."""
+    owner, attr = _hook(entry.prefix_lookup)
+    original = getattr(owner, attr)
+
+    def prefix_lookup(self, request, *args, **kwargs):
+        out = original(self, request, *args, **kwargs)
+        try:
+            ADMISSIONS.admitted(request.request_id, int(getattr(request, "cached_tokens", 0) or 0))
+        except Exception:  # never fail oMLX's scheduler
+            logger.exception("pd-bridge[%s]: confirming the verdict failed", getattr(request, "request_id", "?"))
+        return out
+
+    prefix_lookup.__wrapped__ = original
+    setattr(owner, attr, prefix_lookup)
+
+
 def install_bridge() -> None:
     """Run the bridge in ``EngineCore.add_request``, before the scheduler looks up the cache."""
     with _lock:
         if _installed["engine"]:
             return
-        owner, attr = _hook(versions.detect().request_entry)
+        entry = versions.detect()
+        owner, attr = _hook(entry.request_entry)
+        at_admission = entry.lookup_at == "admission"
+        if at_admission:
+            _install_admission_hook(entry)
+        import asyncio
         import inspect
         import uuid
 
@@ -119,16 +177,38 @@ def install_bridge() -> None:
             except Exception as e:  # never let the bridge fail a request
                 logger.exception("pd-bridge[%s]: bridge error", request_id)
                 verdict = Verdict("native", f"bridge error: {e}", request_id=request_id)
+
+            def finish(final: Verdict) -> None:
+                if final.kind == "native":
+                    logger.info("pd-bridge[%s]: %s", request_id, final.header())
+                COUNTERS.record(final, nbytes)
+                if slot is not None:
+                    slot.set(final)
+
+            if at_admission and verdict.kind in ("complete", "partial"):
+                # The verdict is final only once oMLX has looked the prompt up, on its scheduler's
+                # thread; hand the result back to this loop (the slot and counters live here).
+                loop, claimed = asyncio.get_running_loop(), verdict
+
+                def admitted(cached: int | None) -> None:
+                    final = claimed if cached is None else bridge.confirmed(claimed, cached)
+                    if cached is None:
+                        logger.warning("pd-bridge[%s]: oMLX did not admit the request within %.0fs; verdict unconfirmed", request_id, bridge.cfg.timeout_s)
+                    loop.call_soon_threadsafe(finish, final)
+
+                ADMISSIONS.expect(request_id, admitted)
+                loop.call_later(bridge.cfg.timeout_s, ADMISSIONS.give_up, request_id)
+                try:
+                    return await original(*bound.args, **bound.kwargs)
+                except BaseException:
+                    ADMISSIONS.give_up(request_id)
+                    raise
             try:
                 rid = await original(*bound.args, **bound.kwargs)
                 verdict = bridge.confirm(self, rid, verdict)
                 return rid
             finally:
-                if verdict.kind == "native":
-                    logger.info("pd-bridge[%s]: %s", request_id, verdict.header())
-                COUNTERS.record(verdict, nbytes)
-                if slot is not None:
-                    slot.set(verdict)
+                finish(verdict)
 
         add_request.__wrapped__ = original
         setattr(owner, attr, add_request)

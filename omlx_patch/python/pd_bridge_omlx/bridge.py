@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from . import config as config_mod
+from . import versions
 from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest
 from .adapter import index_lock, register_block
 from .verdict import Verdict, native
@@ -127,6 +128,11 @@ class Bridge:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pd-bridge")
         self._fingerprints: dict[str, str | Exception] = {}
 
+    @property
+    def version(self) -> versions.OmlxVersion:
+        """The running oMLX's entry in the versions table: its block format, where it looks up."""
+        return versions.detect()
+
     @classmethod
     def from_env(cls) -> "Bridge":
         try:
@@ -224,7 +230,7 @@ class Bridge:
         capture_id = f"pdb-{request_id}-{uuid.uuid4().hex[:8]}"
         cache_dir = Path(ssd._cache_dir)
         model_name = pcm.model_name
-        writer = BlockWriter(str(cache_dir), model_name, block_size, ids)
+        writer = BlockWriter(str(cache_dir), model_name, block_size, ids, self.version.omlx_format)
         control = IngestControl()
         registered: list[int] = []
         problems: list[str] = []
@@ -250,7 +256,7 @@ class Bridge:
             return ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, fingerprint, writer,
                           timeout_seconds=cfg.idle_s, on_block=on_block, control=control)  # fmt: skip
 
-        spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint}
+        spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format}
         logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id)
         t_ask = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -313,13 +319,20 @@ class Bridge:
 
     @staticmethod
     def confirm(engine_core, request_id: str, verdict: Verdict) -> Verdict:
-        """After oMLX admitted the request: the verdict may only claim what oMLX actually reused."""
+        """After oMLX looked the prompt up (inside ``add_request`` on the fork): the verdict may
+        only claim what oMLX actually reused."""
         if verdict.kind not in ("complete", "partial"):
             return verdict
         req = getattr(engine_core.scheduler, "requests", {}).get(request_id)
         if req is None:
             return verdict
-        cached = int(getattr(req, "cached_tokens", 0) or 0)
+        return Bridge.confirmed(verdict, int(getattr(req, "cached_tokens", 0) or 0))
+
+    @staticmethod
+    def confirmed(verdict: Verdict, cached: int) -> Verdict:
+        """``verdict`` corrected to the ``cached`` prompt tokens oMLX took from its prefix cache."""
+        if verdict.kind not in ("complete", "partial"):
+            return verdict
         if cached >= verdict.tokens:
             return verdict
         per_block = verdict.tokens // max(verdict.blocks, 1)
