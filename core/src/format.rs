@@ -40,6 +40,17 @@ pub enum Overlap {
     Carried,
 }
 
+/// How the decoder's MLX sums a compressor window's bf16 products (`(kv * weights).sum(axis=-2)`
+/// on bf16 arrays), as its CPU reduction kernel does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolSum {
+    /// An f32 accumulator in row order, rounded to bf16 once (mlx 0.32.3, the fork's venv).
+    F32,
+    /// A bf16 accumulator in row order: every partial sum rounded to bf16 (mlx 0.32.0, which
+    /// upstream oMLX 0.6.3 pins exactly: `mlx==0.32.0`).
+    Bf16,
+}
+
 /// What oMLX hashes into every block key and stamps as `model_name`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModelNameRule {
@@ -119,6 +130,15 @@ impl OmlxFormat {
         }
     }
 
+    /// How the MLX this oMLX runs on sums the pooling products. A property of the MLX release;
+    /// each supported oMLX pins (upstream) or was validated with (the fork) one.
+    pub fn pool_sum(self) -> PoolSum {
+        match self {
+            OmlxFormat::Fork070 => PoolSum::F32,
+            OmlxFormat::Upstream063 => PoolSum::Bf16,
+        }
+    }
+
     pub fn model_name_rule(self) -> ModelNameRule {
         match self {
             OmlxFormat::Fork070 => ModelNameRule::Path,
@@ -194,5 +214,6 @@ mod tests {
         assert_eq!((f.pool_layout(), u.pool_layout()), (PoolLayout::Full, PoolLayout::Delta));
         assert_eq!((f.overlap(), u.overlap()), (Overlap::RestartPerCall, Overlap::Carried));
         assert_eq!((f.model_name_rule(), u.model_name_rule()), (ModelNameRule::Path, ModelNameRule::Id));
+        assert_eq!((f.pool_sum(), u.pool_sum()), (PoolSum::F32, PoolSum::Bf16));
     }
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::error::{CoreError, Result};
-pub use crate::format::{Overlap, WindowRows};
+pub use crate::format::{Overlap, PoolSum, WindowRows};
 use crate::format::OmlxFormat;
 use crate::weights::{DecoderWeights, LayerWeights};
 
@@ -36,6 +36,8 @@ pub struct DecoderSteps {
     pub overlap: Overlap,
     /// What a block keeps of a compressed layer's window (decides how many rows to retain).
     pub window_rows: WindowRows,
+    /// How the decoder's MLX sums a pooling window's products.
+    pub pool_sum: PoolSum,
 }
 
 impl DecoderSteps {
@@ -49,7 +51,7 @@ impl DecoderSteps {
         if step == 0 {
             return Err(CoreError::config("decoder_step", "must be positive"));
         }
-        Ok(DecoderSteps { step, overlap: format.overlap(), window_rows: format.window_rows() })
+        Ok(DecoderSteps { step, overlap: format.overlap(), window_rows: format.window_rows(), pool_sum: format.pool_sum() })
     }
 
     /// Whether a ratio-4 window ending at `base` is the previous window of the one starting there.

@@ -3,7 +3,7 @@
 
 use half::bf16;
 
-use super::{ArrayView, DecoderSteps, StateArray, WindowRows};
+use super::{ArrayView, DecoderSteps, PoolSum, StateArray, WindowRows};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
 use crate::weights::{CompressorWeights, V4LayerWeights};
@@ -58,6 +58,16 @@ impl Window {
         }
         let call_start = self.steps.call_of(processed - 1) * self.steps.step;
         processed.min(self.size - 1 + (processed - call_start))
+    }
+}
+
+/// One step of MLX's CPU sum over the window axis of bf16 products: an f32 accumulator rounded
+/// once at the end (mlx 0.32.3), or a bf16 accumulator, every partial rounded (mlx 0.32.0).
+#[inline]
+fn pool_add(sum: PoolSum, acc: f32, product: bf16) -> f32 {
+    match sum {
+        PoolSum::F32 => acc + product.to_f32(),
+        PoolSum::Bf16 => round_bf16(acc + product.to_f32()).to_f32(),
     }
 }
 
@@ -142,7 +152,7 @@ impl Compressor {
     }
 
     /// `_simple_compress_kv`: softmax over the window of `f32(gate) + ape`, weights rounded to
-    /// bf16, bf16 products summed in f32 in row order, rounded once.
+    /// bf16, bf16 products summed in row order as the decoder's MLX sums them ([`pool_add`]).
     fn simple_pool(&self, w: &CompressorWeights, kv: &[bf16], gate: &[bf16]) -> Vec<bf16> {
         let (r, d) = (self.ratio, self.out_dim);
         let mut vals = vec![0f32; r];
@@ -156,7 +166,7 @@ impl Compressor {
                 let mut acc = 0f32;
                 for k in 0..r {
                     let wb = round_bf16(wts[k]).to_f32();
-                    acc += round_bf16(kv[k * d + c].to_f32() * wb).to_f32();
+                    acc = pool_add(self.steps.pool_sum, acc, round_bf16(kv[k * d + c].to_f32() * wb));
                 }
                 round_bf16(acc)
             })
@@ -166,7 +176,7 @@ impl Compressor {
     /// `_overlap_compress_kv` for one window: the gate gets `bf16(ape)` added in bf16; lane A
     /// (first half of the features) comes from the previous window — with the fork only one of
     /// the same decoder call, else zeros with a -inf gate — and lane B from this window; an
-    /// 8-row precise softmax, weights in bf16, bf16 products summed in f32, rounded once.
+    /// 8-row precise softmax, weights in bf16, bf16 products summed as in [`pool_add`].
     fn overlap_pool(&self, w: &CompressorWeights, kv: &[bf16], gate: &[bf16], base: usize) -> Vec<bf16> {
         let (r, d, h) = (self.ratio, self.out_dim, self.head_dim);
         let prev = self.prev.as_ref().filter(|(_, _, prev_end)| *prev_end == base && self.steps.carries(base, r));
@@ -190,7 +200,7 @@ impl Compressor {
                     } else {
                         kv[(k - r) * d + h + c].to_f32()
                     };
-                    acc += round_bf16(x * round_bf16(wts[k]).to_f32()).to_f32();
+                    acc = pool_add(self.steps.pool_sum, acc, round_bf16(x * round_bf16(wts[k]).to_f32()));
                 }
                 round_bf16(acc)
             })
