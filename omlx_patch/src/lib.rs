@@ -7,6 +7,7 @@ use half::bf16;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
 use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights, OmlxFormat};
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -33,11 +34,43 @@ fn format_of(name: Option<&str>) -> PyResult<OmlxFormat> {
     name.map_or(Ok(OmlxFormat::Fork070), |n| OmlxFormat::from_name(n).map_err(to_py))
 }
 
-fn bf16_from_le(data: &[u8]) -> PyResult<Vec<bf16>> {
-    if data.len() % 2 != 0 {
-        return Err(InputError::new_err(format!("{} bytes is not a whole number of bf16 values", data.len())));
+/// Any C-contiguous Python buffer of bytes or 2-byte values (bytes, bytearray, memoryview, a
+/// numpy uint8/uint16 array), held until dropped.
+fn byte_buffer(obj: &Bound<'_, PyAny>) -> PyResult<PyUntypedBuffer> {
+    let buf = PyUntypedBuffer::get(obj).map_err(|e| {
+        let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+        InputError::new_err(format!("data: a {ty} is not a buffer ({e}); pass bytes, bytearray, memoryview or a numpy array"))
+    })?;
+    let itemsize = buf.item_size();
+    if itemsize != 1 && itemsize != 2 {
+        return Err(InputError::new_err(format!("data: buffer items are {itemsize} bytes; expected raw bytes or 2-byte bf16 bit patterns")));
     }
-    Ok(data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect())
+    if !buf.is_c_contiguous() {
+        return Err(InputError::new_err("data: buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)"));
+    }
+    if buf.len_bytes() % 2 != 0 {
+        return Err(InputError::new_err(format!("{} bytes is not a whole number of bf16 values", buf.len_bytes())));
+    }
+    Ok(buf)
+}
+
+/// Run `f` on a buffer from [`byte_buffer`] as little-endian bf16: in place when aligned (bf16
+/// is a plain 2-byte value and the host little-endian), else from a copy. The caller must not
+/// modify the buffer during the call.
+fn with_bf16<T>(buf: &PyUntypedBuffer, f: impl FnOnce(&[bf16]) -> T) -> T {
+    let (ptr, len) = (buf.buf_ptr() as *const u8, buf.len_bytes());
+    if len == 0 {
+        return f(&[]);
+    }
+    if cfg!(target_endian = "little") && (ptr as usize) % std::mem::align_of::<bf16>() == 0 {
+        // SAFETY: a contiguous buffer of `len` (even) bytes, aligned, alive while `buf` is held.
+        f(unsafe { std::slice::from_raw_parts(ptr as *const bf16, len / 2) })
+    } else {
+        // SAFETY: as above, read as bytes.
+        let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+        let x: Vec<bf16> = data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
+        f(&x)
+    }
 }
 
 /// The decoder's attention-cache weights, read from an MLX model directory.
@@ -93,12 +126,13 @@ impl CacheBuilder {
         Ok(CacheBuilder { inner: CoreCacheBuilder::new(weights.inner.clone(), steps) })
     }
 
-    /// Fold `[rows, hidden]` attention input (little-endian bf16 bytes), first token at
-    /// absolute position `start`, into `layer`'s state.
-    fn feed(&mut self, py: Python<'_>, layer: usize, start: usize, data: &[u8]) -> PyResult<()> {
-        let x = bf16_from_le(data)?;
+    /// Fold `[rows, hidden]` attention input (little-endian bf16), first token at absolute
+    /// position `start`, into `layer`'s state. `data` is any C-contiguous buffer (bytes,
+    /// bytearray, memoryview, a numpy uint8/uint16 array), read in place.
+    fn feed(&mut self, py: Python<'_>, layer: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let buf = byte_buffer(data)?;
         let inner = &mut self.inner;
-        py.detach(|| inner.feed(layer, start, &x)).map_err(to_py)
+        py.detach(|| with_bf16(&buf, |x| inner.feed(layer, start, x))).map_err(to_py)
     }
 
     fn processed(&self, layer: usize) -> PyResult<usize> {

@@ -96,3 +96,106 @@ def test_wheel_imports_on_python_310(tmp_path):
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.startswith("(3, 10)"), out.stdout
+
+
+def _tiny_mla_weights(d):
+    """A one-layer MLA decoder-weights directory (config.json + safetensors), numpy only."""
+    import json
+    import struct
+
+    import numpy as np
+
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "hidden_size": 32, "num_hidden_layers": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+    }))
+    rng = np.random.default_rng(0)
+
+    def bf16(a):
+        return (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+    tensors = {
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": ([24, 32], bf16(rng.standard_normal((24, 32)) * 0.2)),
+        "model.layers.0.self_attn.kv_a_layernorm.weight": ([16], bf16(1 + 0.1 * rng.standard_normal(16))),
+    }
+    header, blob = {}, b""
+    for name, (shape, data) in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    h = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + blob)
+    return d
+
+
+def test_feed_takes_any_contiguous_buffer(tmp_path):
+    """bytes, bytearray, memoryview (aligned or not) and numpy arrays are read in place and give
+    the same segments; non-contiguous, wide-item and non-buffer inputs are refused by name."""
+    import numpy as np
+    import pytest
+
+    import pd_bridge_vllm
+    from pd_bridge_vllm import _native
+
+    w = _native.Weights.load(str(_tiny_mla_weights(tmp_path)))
+    rows = np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32)
+    bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
+    raw = bits.tobytes()
+    odd = bytearray(b"\0" + raw)  # a memoryview into it starts at an odd address: the copy path
+
+    def digest(data):
+        # Segment headers carry the request id: the same one each time, on its own server.
+        cap = _native.Capture(w, "r", 32, 16, _native.SegmentServer("127.0.0.1:0", b"t" * 32))
+        cap.feed(0, 0, data)
+        return cap.segments_digest
+
+    inputs = {
+        "bytes": raw, "bytearray": bytearray(raw), "memoryview": memoryview(raw), "numpy uint16": bits,
+        "numpy uint8": bits.view(np.uint8), "memoryview unaligned": memoryview(odd)[1:],
+    }
+    got = {name: digest(data) for name, data in inputs.items()}
+    assert got["bytes"][0] == 2, got
+    assert len(set(got.values())) == 1, got
+
+    cap = _native.Capture(w, "bad", 32, 16, _native.SegmentServer("127.0.0.1:0", b"t" * 32))
+    with pytest.raises(pd_bridge_vllm.PdBridgeError, match="not C-contiguous"):
+        cap.feed(0, 0, np.asfortranarray(bits))
+    with pytest.raises(pd_bridge_vllm.PdBridgeError, match="items are 4 bytes"):
+        cap.feed(0, 0, rows)
+    with pytest.raises(pd_bridge_vllm.PdBridgeError, match="list is not a buffer"):
+        cap.feed(0, 0, list(raw))
+    with pytest.raises(pd_bridge_vllm.PdBridgeError, match="whole number of bf16"):
+        cap.feed(0, 0, raw[:-1])
+
+
+def _public(obj) -> set[str]:
+    return {n for n in vars(obj) if not n.startswith("_")}
+
+
+def stub_names(stub_path):
+    """{top-level name: set of member names (classes) or None} declared by a .pyi stub."""
+    import ast
+
+    out = {}
+    for node in ast.parse(stub_path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = None
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = None
+    return out
+
+
+def test_native_stub_matches_the_module():
+    """The shipped _native.pyi declares exactly what the built module exports, members included."""
+    from pathlib import Path
+
+    from pd_bridge_vllm import _native
+
+    stub = Path(_native.__file__).with_name("_native.pyi")
+    assert stub.is_file(), f"{stub} is not installed with the wheel"
+    declared = stub_names(stub)
+    assert set(declared) == _public(_native), (set(declared) ^ _public(_native))
+    for name, members in declared.items():
+        obj = getattr(_native, name)
+        if members is not None and not issubclass(obj, BaseException):
+            assert members == _public(obj), (name, members ^ _public(obj))

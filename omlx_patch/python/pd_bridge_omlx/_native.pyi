@@ -1,0 +1,128 @@
+"""Type stubs for ``pd_bridge_omlx._native``, the decode side's native module (Rust, pyo3).
+
+Python hands it plain data (paths, token positions, little-endian bf16 buffers); all cache math
+lives in the core.
+"""
+
+from collections.abc import Callable
+from os import PathLike
+
+from typing_extensions import Buffer
+
+VERSION: str
+"""The wheel's version (the Rust crate's)."""
+
+class PdBridgeError(Exception):
+    """Base class of every pd-bridge error. From ``ingest``: ``args == (message, blocks)``, the
+    blocks written (each whole and valid) before the stream broke."""
+
+class ConfigError(PdBridgeError):
+    """The decoder's config.json is missing or has an unsupported value."""
+
+class WeightsError(PdBridgeError):
+    """A decoder weight is missing, malformed or stored in an unsupported format."""
+
+class InputError(PdBridgeError):
+    """Attention input that does not fit the layer state."""
+
+class BlockRejected(PdBridgeError):
+    """A block file that must not be served; the message says why."""
+
+class Weights:
+    """The decoder's attention-cache weights, read from an MLX model directory."""
+
+    @staticmethod
+    def load(model_dir: str | PathLike[str]) -> Weights:
+        """Read config.json and the attention-cache tensors. Raises ConfigError, WeightsError
+        or OSError."""
+    @property
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` over the plan and the tensors the cache math reads."""
+    @property
+    def family(self) -> str:
+        """``"deepseek_v4"`` or ``"mla"``."""
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+
+class CacheBuilder:
+    """Per-layer decoder cache state for one request, fed chunks of attention input."""
+
+    def __init__(self, weights: Weights, decoder_step: int, omlx_format: str | None = None) -> None:
+        """``decoder_step``: the decoder's prefill step grid (oMLX's block size); ``omlx_format``:
+        the decoder's block format (``omlx_formats()``; default the fork's), which decides its
+        ratio-4 overlap semantics and window rows. Raises ConfigError for an unknown format."""
+    def feed(self, layer: int, start: int, data: Buffer) -> None:
+        """Fold ``[rows, hidden]`` attention input (little-endian bf16), first token at absolute
+        position ``start``, into ``layer``'s state. ``data`` is any C-contiguous buffer (bytes,
+        bytearray, memoryview, a numpy uint8/uint16 array), read in place. Raises InputError."""
+    def processed(self, layer: int) -> int:
+        """Tokens of ``layer`` folded in so far."""
+    def snapshot(self, layer: int) -> list[tuple[str, list[int], bytes]]:
+        """The layer's state as ``[(name, shape, little-endian bf16 bytes)]``."""
+
+class BlockWriter:
+    """Writes one request's full blocks into an oMLX cache directory, named by oMLX's chain hash."""
+
+    def __init__(
+        self, cache_dir: str | PathLike[str], model_name: str, block_size: int, token_ids: list[int], omlx_format: str | None = None
+    ) -> None:
+        """``model_name``: the model string oMLX hashes with (the fork: the model directory path
+        it loaded; upstream: the model id); ``token_ids``: the request's ids as oMLX tokenized
+        them; ``omlx_format``: the block format to write (``omlx_formats()``; default the fork's)."""
+    @property
+    def omlx_format(self) -> str:
+        """The block format this writer writes."""
+    @property
+    def num_blocks(self) -> int: ...
+    def hash_hex(self, index: int) -> str:
+        """Block ``index``'s chain hash, hex."""
+    def flush(self) -> None:
+        """Wait until every written block is on disk under its final name (visible to oMLX)."""
+    def write(self, builder: CacheBuilder, index: int) -> tuple[str, int, bool]:
+        """Write block ``index`` from ``builder``, whose layers must have processed exactly the
+        block's end; returns ``(path, bytes, existed)``. The flush finishes in the background."""
+
+class IngestControl:
+    """Stops an ``ingest`` running on another thread; blocks already written stay."""
+
+    def __init__(self) -> None: ...
+    def cancel(self) -> None: ...
+    @property
+    def cancelled(self) -> bool: ...
+
+def inspect_block(
+    path: str | PathLike[str],
+    model_name: str | None = None,
+    num_layers: int | None = None,
+    block_size: int | None = None,
+    omlx_format: str | None = None,
+) -> tuple[str, int, int, str, int]:
+    """Validate a block file before oMLX may index it. Returns ``(hash_hex, token_count,
+    num_layers, model_name, file_size)``; raises BlockRejected with the reason otherwise."""
+
+def omlx_formats() -> list[str]:
+    """The block formats this build writes and validates, by name (newest first)."""
+
+def expected_block_size(weights: Weights, omlx_format: str) -> int:
+    """The block size ``omlx_format``'s oMLX picks for the model whose weights are loaded."""
+
+def export_weights(model_dir: str | PathLike[str], out_dir: str | PathLike[str]) -> str:
+    """Write the attention-cache tensors of the MLX model in ``model_dir`` (and its config.json)
+    into ``out_dir`` for the prefill host; returns their fingerprint."""
+
+def ingest(
+    host: str,
+    port: int,
+    token: bytes,
+    request_id: str,
+    fingerprint: str,
+    writer: BlockWriter,
+    timeout_seconds: float = 60.0,
+    on_block: Callable[[int], object] | None = None,
+    control: IngestControl | None = None,
+) -> tuple[int, str]:
+    """Receive ``request_id``'s segments from the prefill host at ``host:port``, writing each
+    block with ``writer`` as it arrives; ``on_block(index)`` is called once a block is on disk.
+    Returns ``(blocks_written, verdict_json)``; a broken stream raises PdBridgeError."""

@@ -1,0 +1,87 @@
+"""Type stubs for ``pd_bridge_vllm._native``, the prefill side's native module (Rust, pyo3).
+
+Importing it touches no GPU; CUDA starts lazily in the worker that first feeds a CUDA tensor.
+"""
+
+from typing_extensions import Buffer
+from os import PathLike
+
+VERSION: str
+"""The wheel's version (the Rust crate's)."""
+
+class PdBridgeError(Exception):
+    """Base class of every pd-bridge error."""
+
+class ConfigError(PdBridgeError):
+    """The decoder's config.json is missing or has an unsupported value."""
+
+class WeightsError(PdBridgeError):
+    """A decoder weight is missing, malformed or stored in an unsupported format."""
+
+def weights_fingerprint(model_dir: str | PathLike[str]) -> str:
+    """Read the decoder's attention-cache weights from ``model_dir`` and return their
+    fingerprint (``sha256:<hex>``), the value the decode host compares before it trusts a
+    stream. Raises ConfigError, WeightsError or OSError."""
+
+class Weights:
+    """The decoder's attention-cache weights (as exported from the decode host) and fingerprint."""
+
+    @staticmethod
+    def load(model_dir: str | PathLike[str]) -> Weights:
+        """Read config.json and the attention-cache tensors of an MLX model directory."""
+    @property
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` over the plan and the tensors the cache math reads."""
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+
+class SegmentServer:
+    """Serves captured segments to decode hosts that prove the shared token."""
+
+    def __init__(self, address: str, token: bytes, idle_seconds: float = 60.0) -> None:
+        """Bind ``address`` (``host:port``; port 0 picks one). Raises ConfigError for a bad
+        ``idle_seconds``, OSError if it cannot bind."""
+    @property
+    def port(self) -> int:
+        """The port it listens on."""
+
+class Capture:
+    """One request's capture: attention inputs in, segments out to the server as blocks complete."""
+
+    def __init__(
+        self, weights: Weights, request_id: str, prompt_tokens: int, block_size: int, server: SegmentServer, omlx_format: str | None = None
+    ) -> None:
+        """``omlx_format``: the decoder's oMLX block format, as the decode host's capture spec
+        names it (default the fork's); it decides the overlap semantics and what segments carry."""
+    def feed(self, layer: int, start: int, data: Buffer) -> None:
+        """Fold ``[rows, hidden]`` attention input (little-endian bf16) for tokens from ``start``.
+        ``data`` is any C-contiguous buffer (bytes, bytearray, memoryview, a numpy uint8/uint16
+        array), read in place; it must not change during the call. Raises PdBridgeError."""
+    def feed_ptr(self, layer: int, start: int, data_ptr: int, nbytes: int) -> None:
+        """Fold attention input read straight from host memory: ``nbytes`` of contiguous
+        little-endian bf16 at ``data_ptr`` (a CPU tensor's ``data_ptr()``), kept alive and
+        unchanged by the caller for the call."""
+    def feed_cuda(self, layer: int, start: int, data_ptr: int, nbytes: int, dtype: str, device: int, stream: int) -> None:
+        """Fold attention input from a CUDA tensor (``dtype`` ``"bfloat16"``), pooled on a GPU
+        side stream ordered after ``stream``; never waits for the device. The caller keeps the
+        memory alive until ``side_stream`` has read it."""
+    @property
+    def side_stream(self) -> int | None:
+        """The GPU side stream (a ``CUstream`` as an integer) once a CUDA feed started it."""
+    @property
+    def pending(self) -> int:
+        """GPU chunks queued whose results are not in yet."""
+    def poll(self) -> int:
+        """Take in finished GPU chunks without waiting and send the segments they complete;
+        returns how many segments went out."""
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of the segments sent so far, as they go on the wire (frames included)."""
+    @property
+    def segments_digest(self) -> tuple[int, str]:
+        """Segments sent so far and the SHA-256 (hex) over them, in order."""
+    def seal(self, failure: str | None = None) -> str:
+        """Seal the capture (``failure``: why it stopped early, if it did); returns the verdict
+        JSON. Waits for GPU chunks still in flight."""
