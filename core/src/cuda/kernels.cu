@@ -15,6 +15,10 @@ __device__ __forceinline__ bf16 rnd(float f) {
     return (bf16)(u >> 16);
 }
 __device__ __forceinline__ float rndf(float f) { return widen(rnd(f)); }
+// One step of the pooling sum (Compressor's pool_add): an f32 accumulator rounded once at the
+// end (mlx 0.32.3, the fork), or a bf16 accumulator with every partial rounded (mlx 0.32.0,
+// upstream oMLX 0.6.3: PoolSum::Bf16).
+__device__ __forceinline__ float pool_add(int bf16_sum, float acc, float p) { return bf16_sum ? rndf(acc + p) : acc + p; }
 
 // numerics::mlx_sincos (MLX's CPU Cephes sincos; libm past |x| > 2^23, where a double sincos
 // rounded to float stands in for the host's sinf/cosf).
@@ -193,7 +197,7 @@ __device__ __forceinline__ const bf16* row_of(const Rows& r, long long t) {
 // Compressor::overlap_pool (ratio 4) for W windows starting at token base0, one thread per
 // (window, column). Output raw pooled rows [W, hd] (normalised and rotated afterwards).
 extern "C" __global__ void pool_overlap(const bf16* y, long long ys, int ycol, long long start, const bf16* stash, long long seq0,
-                                        long long base0, int W, int hd, const float* __restrict__ ape, int step, bf16* out) {
+                                        long long base0, int W, int hd, const float* __restrict__ ape, int step, int bf16_sum, bf16* out) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int w = blockIdx.y;
     if (c >= hd || w >= W) return;
@@ -225,7 +229,7 @@ extern "C" __global__ void pool_overlap(const bf16* y, long long ys, int ycol, l
     for (int k = 0; k < 2 * r; k++) { e[k] = mlx_exp(vals[k] - m); norm += e[k]; }
     float acc = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 2 * r; k++) acc += rndf(kvs[k] * rndf(e[k] / norm));
+    for (int k = 0; k < 2 * r; k++) acc = pool_add(bf16_sum, acc, rndf(kvs[k] * rndf(e[k] / norm)));
     out[(long long)w * hd + c] = rnd(acc);
 }
 
@@ -233,7 +237,7 @@ extern "C" __global__ void pool_overlap(const bf16* y, long long ys, int ycol, l
 // (window, column tile): the loads, exponentials and products run in parallel; the max, the
 // softmax sum and the pooled sum run sequentially over k per column, in the CPU's order.
 extern "C" __global__ void __launch_bounds__(256) pool_simple(const bf16* y, long long ys, int ycol, long long start, const bf16* stash, long long seq0,
-                                                             long long base0, int W, int hd, int r, const float* __restrict__ ape, bf16* out) {
+                                                             long long base0, int W, int hd, int r, const float* __restrict__ ape, int bf16_sum, bf16* out) {
     __shared__ float sv[128][33];
     __shared__ float sk[128][33];
     __shared__ float sm[32], sn[32];
@@ -270,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(256) pool_simple(const bf16* y, lon
     __syncthreads();
     if (ky == 0 && ok) {
         float acc = 0.0f;
-        for (int k = 0; k < r; k++) acc += sk[k][cx];
+        for (int k = 0; k < r; k++) acc = pool_add(bf16_sum, acc, sk[k][cx]);
         out[(long long)w * hd + c] = rnd(acc);
     }
 }
@@ -302,7 +306,7 @@ struct Post {
     const bf16* y; const bf16* kv_norm; const float* win_inv;
     bf16* chunk_win; bf16* win_new; const bf16* win_old;
     long long ys, start, win_pos0;
-    int step, hd, win_pairs, nw, first, from_old, old_skip, from_new, ncomp, pad;
+    int step, hd, win_pairs, nw, first, from_old, old_skip, from_new, ncomp, bf16_sum;
     float eps, pad2;
     PostComp comp[2];
 };
@@ -409,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(256) v4_post(const Post P) {
                     for (int k = 0; k < 2 * r; k++) { e[k] = mlx_exp(vals[k] - m); norm += e[k]; }
                     float acc = 0.0f;
 #pragma unroll
-                    for (int k = 0; k < 2 * r; k++) acc += rndf(kvs[k] * rndf(e[k] / norm));
+                    for (int k = 0; k < 2 * r; k++) acc = pool_add(P.bf16_sum, acc, rndf(kvs[k] * rndf(e[k] / norm)));
                     v[c] = rndf(acc);
                 }
             }

@@ -12,7 +12,7 @@ use super::{DeviceTensor, GemmMode};
 use crate::error::{CoreError, Result};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
-use crate::pooler::{DecoderSteps, StateArray};
+use crate::pooler::{DecoderSteps, PoolSum, StateArray};
 use crate::weights::{CompressorWeights, DecoderWeights, LayerWeights, Linear};
 
 const BF: usize = 2;
@@ -294,7 +294,8 @@ struct Post {
     old_skip: i32,
     from_new: i32,
     ncomp: i32,
-    pad: i32,
+    /// 1: the pooling sums in a bf16 accumulator ([`PoolSum::Bf16`]).
+    bf16_sum: i32,
     eps: f32,
     pad2: f32,
     comp: [PostComp; 2],
@@ -693,6 +694,7 @@ impl GpuCache {
 
     /// A V4 layer's post-projection work as one launch of `v4_post` (see kernels.cu).
     fn feed_post_fused(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
+        let bf16_sum = self.steps.pool_sum == PoolSum::Bf16;
         let model = self.model.clone();
         let pi = self.post_of(layer);
         let LayerDev::V4 { hd, size, eps, kv_norm, rope, comps, .. } = &model.layers[layer] else { unreachable!("V4 only") };
@@ -735,7 +737,7 @@ impl GpuCache {
             old_skip: (lr.win_rows - from_old) as i32,
             from_new: from_new as i32,
             ncomp: comps.len() as i32,
-            pad: 0,
+            bf16_sum: bf16_sum as i32,
             eps: *eps,
             pad2: 0.0,
             comp: [PostComp::default(); 2],
@@ -814,6 +816,7 @@ impl GpuCache {
                 .p(c.hd as i32)
                 .p(c.ratio as i32)
                 .p(c.ape.ptr)
+                .p(bf16_sum as i32)
                 .p(out);
             model.dev.launch2("pool_simple", (c.hd.div_ceil(32) as u32, windows as u32, 1), (32, 8), s, &mut a.ptrs())?;
             self.norm_rope(s, out, c.hd, pc.out, c.hd, windows, c.hd, Some((c.norm.ptr, *eps)), None, Some((&c.rope, pc.pos0 as usize)))?;
@@ -823,6 +826,7 @@ impl GpuCache {
 
     /// The kernels after the projections (on the post stream): window, pools, MLA rows.
     fn feed_post(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
+        let bf16_sum = self.steps.pool_sum == PoolSum::Bf16;
         let model = self.model.clone();
         if self.fused && matches!(model.layers[layer], LayerDev::V4 { .. }) {
             return self.feed_post_fused(layer, start, rows, y, ntot);
@@ -931,6 +935,7 @@ impl GpuCache {
                                 .p(c.hd as i32)
                                 .p(c.ape.ptr)
                                 .p(self.steps.step as i32)
+                                .p(bf16_sum as i32)
                                 .p(out);
                             model
                                 .dev
@@ -954,6 +959,7 @@ impl GpuCache {
                                 .p(c.hd as i32)
                                 .p(r as i32)
                                 .p(c.ape.ptr)
+                                .p(bf16_sum as i32)
                                 .p(out);
                             let g = (c.hd.div_ceil(32) as u32, windows as u32, 1);
                             model.dev.launch2("pool_simple", g, (32, 8), s, &mut a.ptrs())?;
