@@ -398,8 +398,8 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
     hidden = torch.randn(3, n, 256, generator=g).to(torch.bfloat16)
     fwd = _Forward(monkeypatch, worker)
     sealed, sealed_wc = [], {}
-    orig_seal = worker._seal
-    monkeypatch.setattr(worker, "_seal", lambda rid, wc, why: (wc.sealed is None and (sealed.append(rid), sealed_wc.setdefault(rid, wc)), orig_seal(rid, wc, why)))
+    orig_seal = worker.connector_worker._seal
+    monkeypatch.setattr(worker.connector_worker, "_seal", lambda rid, wc, why: (wc.sealed is None and (sealed.append(rid), sealed_wc.setdefault(rid, wc)), orig_seal(rid, wc, why)))
 
     blocks = list(range(100, 100 + (n + kvb - 1) // kvb))
     need = lambda upto: (upto + kvb - 1) // kvb  # noqa: E731  (KV blocks holding tokens [0, upto))
@@ -440,7 +440,7 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
         one.seal()
         ids = list(range(n))
         got = {}
-        for rid, port_, tok in (("chunked", worker._server.port, b"t"), ("oneshot", srv.port, b"k")):
+        for rid, port_, tok in (("chunked", worker.connector_worker._server.port, b"t"), ("oneshot", srv.port, b"k")):
             d = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdb-{os.getpid()}-{rid}"
             nblk, _ = pd_bridge_omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, pd_bridge_omlx.BlockWriter(str(d), "m", BLOCK, ids), timeout_seconds=30.0)
             assert nblk == n // BLOCK
@@ -468,9 +468,9 @@ def test_abort_mid_prefill_seals_aborted_with_the_reason(model, monkeypatch):
     assert set(meta2.aborts) == {"r2", "r3"} and "finished_aborted after 300 of 600" in meta2.aborts["r2"][2]
     worker.clear_connector_metadata()
     worker.bind_connector_metadata(meta2)
-    v3 = json.loads(worker._captures["r3"].sealed)
+    v3 = json.loads(worker.connector_worker._captures["r3"].sealed)
     assert v3["verdict"] == "aborted" and "finished_aborted after 0 of 300" in json.dumps(v3)
-    v2 = json.loads(worker._captures["r2"].sealed)
+    v2 = json.loads(worker.connector_worker._captures["r2"].sealed)
     assert v2["verdict"] != "complete" and "finished_aborted" in json.dumps(v2)
     worker.shutdown()
 
@@ -520,7 +520,7 @@ def test_version_gate_names_the_supported_versions(monkeypatch):
     from pd_bridge_vllm import tap
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    with pytest.raises(tap.UnsupportedVLLM, match=r"supports vLLM 0\.32\.0; this is vLLM 0\.99\.0"):
+    with pytest.raises(tap.UnsupportedVLLM, match=r"supports vLLM 0\.26\.0, 0\.32\.0; this is vLLM 0\.99\.0"):
         tap.install()
 
 

@@ -103,7 +103,13 @@ def test_v4_attention_classes_and_call_site_are_as_the_adapter_expects():
 
     from pd_bridge_vllm import tap
 
-    assert tap.SUPPORTED_VLLM == tuple(tap._V4_ADAPTERS)
+    from pd_bridge_vllm import versions
+
+    assert tap.SUPPORTED_VLLM == ("0.32.0", "0.26.0")
+    e = versions.check()  # this venv's vLLM: its table entry names exactly these hook points
+    assert e.v4_attention == (DeepseekV4Attention.__module__, DeepseekV4Attention.__qualname__)
+    assert e.mla_attention == ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MLAAttention")
+    assert {c.__name__ for c in tap.v4_targets()} - {"DeepseekV4Attention"} <= set(e.v4_forward_overrides)
     assert inspect.isabstract(DeepseekV4Attention)
     for c in [DeepseekV4CPUAttention] + [_cls(m, n) for m, n in CUDA_CLASSES]:
         assert issubclass(c, DeepseekV4Attention), c
@@ -160,7 +166,7 @@ def test_version_gate_covers_the_v4_adapter(monkeypatch):
     from pd_bridge_vllm import tap
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(tap.UnsupportedVLLM, match=r"supports vLLM 0\.32\.0; this is vLLM 0\.33\.0"):
+    with pytest.raises(tap.UnsupportedVLLM, match=r"supports vLLM 0\.26\.0, 0\.32\.0; this is vLLM 0\.33\.0"):
         tap.install_v4()
     with pytest.raises(tap.UnsupportedVLLM):
         tap.install()
@@ -357,7 +363,7 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
     n, kvb, hidden = 600, 16, 256
     port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mla_weights, port), _connector("w", mla_weights, port)
-    assert worker._tap_ok
+    assert worker.connector_worker._tap_ok
     sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "v4cap", "block_size": BLOCK}}))
     blocks = list(range(40, 40 + (n + kvb - 1) // kvb))
     meta = sched.build_connector_meta(_sched_out(new=[("r1", blocks, 0)], n={"r1": n, "other": 1}))
@@ -387,7 +393,7 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
     worker.wait_for_save()
     worker.clear_connector_metadata()
     assert events.count("vllm:prepare_and_attn") == 4  # vLLM's forward ran for every layer
-    wc = worker._captures["r1"]
+    wc = worker.connector_worker._captures["r1"]
     assert wc.failure is None and sorted(wc.fed) == [0, 1, 2], (wc.failure, wc.fed)  # MTP layer 3 ignored
     assert json.loads(wc.sealed) == {"verdict": "complete", "blocks": n // BLOCK, "tokens": n // BLOCK * BLOCK}
 
@@ -399,7 +405,7 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
         one.feed(layer, 0, hid[layer].contiguous().view(torch.uint16).numpy().tobytes())
     one.seal()
     got = {}
-    for rid, port_, tok in (("v4cap", worker._server.port, b"t"), ("oneshot", srv.port, b"k")):
+    for rid, port_, tok in (("v4cap", worker.connector_worker._server.port, b"t"), ("oneshot", srv.port, b"k")):
         d = tmp_path / rid
         nblk, _ = omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, omlx.BlockWriter(str(d), "m", BLOCK, list(range(n))), timeout_seconds=30.0)
         assert nblk == n // BLOCK

@@ -221,12 +221,17 @@ struct Capture {
     /// little-endian bytes): lets a test compare two captures' output without a decode host.
     digest: Sha256,
     segments: usize,
+    /// Bytes those segments take on the wire (frame header, length prefix, header JSON, arrays).
+    bytes: u64,
 }
 
 /// Hand `segs` to the server, folding each into the running digest.
-fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mut usize) {
+fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mut usize, bytes: &mut u64) {
     for seg in segs {
-        digest.update(serde_json::to_vec(&seg.header).expect("header serializes"));
+        let header = serde_json::to_vec(&seg.header).expect("header serializes");
+        // What `wire::send_segment` puts on the wire: 20-byte frame header + `Segment::encode`.
+        *bytes += (20 + 4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64;
+        digest.update(header);
         for a in &seg.arrays {
             for v in a {
                 digest.update(v.to_le_bytes());
@@ -246,7 +251,7 @@ impl Capture {
     fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>) -> PyResult<Self> {
         let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
         let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
-        Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0 })
+        Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0, bytes: 0 })
     }
 
     /// Fold `[rows, hidden]` attention input (little-endian bf16) for tokens from `start`.
@@ -258,11 +263,11 @@ impl Capture {
         if bytes.len() % 2 != 0 {
             return Err(PdBridgeError::new_err(format!("{} bytes is not a whole number of bf16 values", bytes.len())));
         }
-        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
+        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
         py.detach(|| {
             buffer::with_bf16(bytes, |x| {
                 inner.feed(layer, start, x)?;
-                push_all(inner.take_ready(), outbox, digest, segments);
+                push_all(inner.take_ready(), outbox, digest, segments, wire);
                 Ok(())
             })
         })
@@ -276,7 +281,7 @@ impl Capture {
         if data_ptr == 0 || data_ptr % std::mem::align_of::<bf16>() != 0 || nbytes % 2 != 0 {
             return Err(PdBridgeError::new_err(format!("feed_ptr: {nbytes} bytes at {data_ptr:#x} is not an aligned bf16 buffer")));
         }
-        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
+        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
         // The GIL is released for the pooling math; the caller's frame still holds the tensor,
         // so its memory stays alive and unmoved for the call.
         py.detach(|| {
@@ -284,7 +289,7 @@ impl Capture {
             // bf16 is a plain 2-byte value and the host is little-endian like the wire format.
             let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
             inner.feed(layer, start, x)?;
-            push_all(inner.take_ready(), outbox, digest, segments);
+            push_all(inner.take_ready(), outbox, digest, segments, wire);
             Ok(())
         })
         .map_err(to_py)
@@ -305,10 +310,10 @@ impl Capture {
             return Err(PdBridgeError::new_err(format!("feed_cuda: dtype {dtype} is not bfloat16")));
         }
         let t = DeviceInput { ptr: data_ptr, nbytes, device, stream };
-        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
+        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
         py.detach(|| {
             inner.feed_input(layer, start, Input::Cuda(t))?;
-            push_all(inner.take_ready(), outbox, digest, segments);
+            push_all(inner.take_ready(), outbox, digest, segments, wire);
             Ok(())
         })
         .map_err(to_py)
@@ -330,9 +335,15 @@ impl Capture {
     /// complete; returns how many segments went out.
     fn poll(&mut self, py: Python<'_>) -> usize {
         let before = self.segments;
-        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
-        py.detach(|| push_all(inner.take_ready(), outbox, digest, segments));
+        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+        py.detach(|| push_all(inner.take_ready(), outbox, digest, segments, wire));
         self.segments - before
+    }
+
+    /// Bytes of the segments sent so far, as they go on the wire.
+    #[getter]
+    fn segment_bytes(&self) -> u64 {
+        self.bytes
     }
 
     /// Segments sent so far and the SHA-256 (hex) over them, in order.
@@ -348,8 +359,8 @@ impl Capture {
     fn seal(&mut self, py: Python<'_>, failure: Option<&str>) -> String {
         let inner = &mut self.inner;
         let seal = py.detach(|| inner.seal(failure));
-        let (inner, outbox, digest, segments) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments);
-        push_all(inner.take_ready(), outbox, digest, segments);
+        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+        push_all(inner.take_ready(), outbox, digest, segments, wire);
         self.outbox.seal(seal.clone());
         serde_json::to_string(&seal).expect("seal serializes")
     }

@@ -1,6 +1,8 @@
 """The model tap: hands each attention layer's attention input to the capture.
 
-One small adapter per supported vLLM version and model family. For vLLM 0.32.0:
+Where it hooks, per supported vLLM version, is the table in ``versions.py`` (0.26.0 and 0.32.0);
+any other version is refused naming those. For vLLM 0.32.0 (0.26.0: the same classes; no V4
+platform subclass overrides ``forward`` there):
 
 - DeepSeek-V2/V3 (MLA): wraps, at the class level,
   ``vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward(positions,
@@ -30,24 +32,17 @@ import re
 
 logger = logging.getLogger("vllm.pd_bridge")  # a child of vLLM's logger: its handler and level apply
 
-SUPPORTED_VLLM = ("0.32.0",)
+from . import versions
+from .versions import UnsupportedVLLM  # noqa: F401  (raised by check_version)
+
+SUPPORTED_VLLM = tuple(v for e in versions.SUPPORTED for v in e.versions)
 _MARK = "__pd_bridge_tap__"
 _BUSY = "_pd_bridge_in_forward"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 _V4_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.attn$")
 
-# Per supported vLLM version: (module, class) of DeepSeek-V4's attention ABC, and the platform
-# package whose import selects (and defines) this process's attention subclasses.
-_V4_ADAPTERS = {
-    "0.32.0": ("vllm.models.deepseek_v4.attention", "DeepseekV4Attention", "vllm.models.deepseek_v4"),
-}
-
 # The worker-side connector that receives attention inputs (set by PdBridgeConnector's worker).
 _sink = None
-
-
-class UnsupportedVLLM(RuntimeError):
-    pass
 
 
 def set_sink(sink) -> None:
@@ -56,34 +51,33 @@ def set_sink(sink) -> None:
 
 
 def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
+    return versions.installed_version()
 
 
 def check_version() -> str:
+    """This vLLM's version; UnsupportedVLLM (naming the supported ones) for any other."""
     v = vllm_version()
-    base = v.split("+", 1)[0]
-    if base not in SUPPORTED_VLLM:
-        raise UnsupportedVLLM(
-            f"pd-bridge-vllm's model tap supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM {v}. "
-            "Install a supported vLLM or a pd-bridge-vllm release that supports this one."
-        )
+    versions.check(v)
     return v
 
 
 def _target():
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention
+    import importlib
 
-    return DeepseekV2MLAAttention
+    mod, cls = versions.check().mla_attention
+    return getattr(importlib.import_module(mod), cls)
 
 
 def installed() -> bool:
     try:
         import sys
 
-        mod = sys.modules.get("vllm.model_executor.models.deepseek_v2")
-        return mod is not None and getattr(mod.DeepseekV2MLAAttention.forward, _MARK, False)
+        e = versions.lookup(vllm_version())
+        if e is None:
+            return False
+        mod, cls = e.mla_attention
+        m = sys.modules.get(mod)
+        return m is not None and getattr(getattr(m, cls).forward, _MARK, False)
     except Exception:  # pragma: no cover - defensive
         return False
 
@@ -174,8 +168,8 @@ def v4_targets() -> list[type]:
     first defines this platform's subclasses."""
     import importlib
 
-    v = check_version().split("+", 1)[0]
-    mod_name, cls_name, platform_pkg = _V4_ADAPTERS[v]
+    e = versions.check()
+    (mod_name, cls_name), platform_pkg = e.v4_attention, e.v4_platform_package
     base = getattr(importlib.import_module(mod_name), cls_name)
     importlib.import_module(platform_pkg)
     out, todo = [], [base]
@@ -201,8 +195,12 @@ def install_v4() -> list[str]:
 def v4_installed() -> bool:
     import sys
 
-    mod = sys.modules.get("vllm.models.deepseek_v4.attention")
-    return mod is not None and getattr(mod.DeepseekV4Attention.__dict__.get("forward"), _MARK, False)
+    e = versions.lookup(vllm_version())
+    if e is None:
+        return False
+    mod_name, cls_name = e.v4_attention
+    mod = sys.modules.get(mod_name)
+    return mod is not None and getattr(getattr(mod, cls_name).__dict__.get("forward"), _MARK, False)
 
 
 def uninstall() -> None:
@@ -210,6 +208,6 @@ def uninstall() -> None:
     _unwrap_forward(_target())
     import sys
 
-    if "vllm.models.deepseek_v4.attention" in sys.modules:
+    if versions.check().v4_attention[0] in sys.modules:
         for cls in v4_targets():
             _unwrap_forward(cls)

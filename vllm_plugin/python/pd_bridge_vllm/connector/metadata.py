@@ -1,0 +1,131 @@
+"""What the scheduler side tells the worker side each step, and the capture spec a request carries.
+
+Plain dataclasses (vLLM pickles the step's metadata to the workers); no torch at import except
+for ``CaptureChunk.slots``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+PARAM_KEY = "pd_capture"
+DUMP_ENV = "PD_BRIDGE_VLLM_DUMP_DIR"  # test-only: dump fed inputs, vLLM's latent rows, verdicts
+
+
+class CaptureSpecError(ValueError):
+    pass
+
+
+class UnsupportedEngineSettings(ValueError):
+    """vLLM settings under which a capture could not be complete; refused at engine start."""
+
+
+def check_engine_settings(vllm_config) -> None:
+    """Refuse, at start, settings that would make captures incomplete.
+
+    Prefix caching lets vLLM skip prefilling a prompt's cached prefix, so the tap would never see
+    those tokens' attention input and the decoder's cache could not be built from them.
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None and getattr(cache, "enable_prefix_caching", False):
+        raise UnsupportedEngineSettings(
+            "pd-bridge: prefix caching is on, so vLLM may skip prefilling a cached prefix whose "
+            "attention input the decoder's cache needs; start vLLM with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False) to use PdBridgeConnector"
+        )
+
+
+def setting(extra: dict, key: str, env: str, default=None):
+    """``kv_connector_extra_config[key]``, else the environment variable, else ``default``."""
+    v = extra.get(key)
+    if v is None:
+        v = os.environ.get(env)
+    return default if v is None or v == "" else v
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    request_id: str  # the capture's id on the wire (the decode host asks for it)
+    block_size: int
+    fingerprint: str | None = None
+    # The decoder's oMLX block format (pd_bridge_omlx.versions), which fixes the overlap
+    # semantics and what segments carry; absent: the fork's ("fork-0.7.0").
+    omlx_format: str | None = None
+
+    @staticmethod
+    def parse(params: Any) -> CaptureSpec | None:
+        """None when the request names no capture; CaptureSpecError when it names a bad one."""
+        if not isinstance(params, dict) or PARAM_KEY not in params:
+            return None
+        spec = params[PARAM_KEY]
+        if not isinstance(spec, dict):
+            raise CaptureSpecError(f"{PARAM_KEY} must be an object, got {type(spec).__name__}")
+        rid, bs, fp = spec.get("request_id"), spec.get("block_size"), spec.get("fingerprint")
+        if not isinstance(rid, str) or not rid:
+            raise CaptureSpecError(f"{PARAM_KEY}.request_id must be a non-empty string, got {rid!r}")
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
+            raise CaptureSpecError(f"{PARAM_KEY}.block_size must be a positive integer, got {bs!r}")
+        if fp is not None and not isinstance(fp, str):
+            raise CaptureSpecError(f"{PARAM_KEY}.fingerprint must be a string, got {fp!r}")
+        fmt = spec.get("omlx_format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise CaptureSpecError(f"{PARAM_KEY}.omlx_format must be a string, got {fmt!r}")
+        return CaptureSpec(rid, bs, fp, fmt)
+
+
+@dataclass
+class CaptureChunk:
+    """One captured request's prompt tokens in one step."""
+
+    req_id: str  # vLLM's request id
+    spec: CaptureSpec
+    prompt_tokens: int
+    start: int  # absolute position of the first token run in this step
+    num_tokens: int  # prompt tokens run in this step (never decode tokens)
+    # Per KV-cache group: vLLM's block size (slots = block * size + offset) and the blocks covering
+    # [start, start + num_tokens), in order. One group for MLA; V4 (the hybrid manager off, as
+    # with any connector) has one for the compressed layers and one per sliding-window kind.
+    group_block_sizes: tuple[int, ...]
+    group_block_ids: tuple[list[int], ...]
+    is_last: bool  # this step runs the request's last prompt chunk
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.group_block_sizes[0]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_block_ids[0]
+
+    def slots(self, group: int = 0):
+        import torch
+
+        bs = self.group_block_sizes[group]
+        pos = torch.arange(self.start, self.start + self.num_tokens, dtype=torch.int64)
+        first = self.start // bs
+        blocks = torch.tensor(self.group_block_ids[group], dtype=torch.int64)[pos // bs - first]
+        return blocks * bs + pos % bs
+
+
+@dataclass
+class PdBridgeConnectorMetadata(KVConnectorMetadata):
+    chunks: list[CaptureChunk] = field(default_factory=list)
+    aborts: dict[str, tuple[CaptureSpec, int, str]] = field(default_factory=dict)  # req_id -> (spec, prompt_tokens, reason)
+
+
+def kv_groups(kv_cache_config, default_block_size: int) -> tuple[tuple[int, ...], dict[str, int]]:
+    """(block size of each KV-cache group, {layer name: its group}) from vLLM's KVCacheConfig;
+    one group of ``default_block_size`` when there is none (stand-in configs in tests)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    sizes, layer_group = [], {}
+    for g, grp in enumerate(groups):
+        spec = getattr(grp, "kv_cache_spec", None)
+        bs = getattr(spec, "block_size", None)
+        sizes.append(int(bs) if bs else default_block_size)
+        for name in getattr(grp, "layer_names", None) or []:
+            layer_group[name] = g
+    return (tuple(sizes) or (default_block_size,)), layer_group

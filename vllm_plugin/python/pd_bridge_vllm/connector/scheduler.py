@@ -1,0 +1,119 @@
+"""The connector's scheduler side (vLLM's EngineCore process).
+
+Remembers captured requests (``on_new_request``) and, in ``build_connector_meta``, lists for this
+step every captured request with prompt tokens in it: the absolute start position, how many prompt
+tokens run, the KV blocks of every KV-cache group they are written to (so the worker can find
+their rows in the flattened batch by slot), and whether this step runs the request's LAST prompt
+chunk. A request that finishes before its last chunk ran is announced as an abort with the reason
+in the next step's metadata. A producer never loads external KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .metadata import PARAM_KEY, CaptureChunk, CaptureSpec, CaptureSpecError, PdBridgeConnectorMetadata, kv_groups
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_bridge")
+
+
+@dataclass
+class _SchedState:
+    spec: CaptureSpec
+    prompt_tokens: int
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
+    last_scheduled: bool = False
+    scheduled_upto: int = 0
+
+
+class PdBridgeConnectorScheduler:
+    def __init__(self, vllm_config, kv_cache_config=None):
+        self.block_sizes, _ = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        self.requests: dict[str, _SchedState] = {}
+        self.pending_aborts: dict[str, tuple[CaptureSpec, int, str]] = {}
+
+    def on_new_request(self, request: Request) -> None:
+        try:
+            spec = CaptureSpec.parse(request.kv_transfer_params)
+        except CaptureSpecError as e:
+            logger.error("pd-bridge: request %s: malformed kv_transfer_params (%s); it runs without a capture", request.request_id, e)
+            return
+        if spec is None:
+            return
+        self.requests[request.request_id] = _SchedState(spec, request.num_prompt_tokens)
+        logger.debug("pd-bridge: request %s captures %r (%d prompt tokens)", request.request_id, spec, request.num_prompt_tokens)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False  # a producer never loads external KV
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        return
+
+    def _groups(self, block_ids) -> list[list[int]]:
+        return [list(g) for g in block_ids] if block_ids else []
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdBridgeConnectorMetadata:
+        meta = PdBridgeConnectorMetadata(aborts=self.pending_aborts)
+        self.pending_aborts = {}
+        if not self.requests:
+            return meta
+        n_sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is not None:
+                st.block_ids = self._groups(new.block_ids)
+                self._chunk(meta, new.req_id, st, new.num_computed_tokens, n_sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = self._groups(new_ids)
+            elif new_ids:
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for g, ids in enumerate(new_ids):
+                    st.block_ids[g].extend(ids)
+            self._chunk(meta, req_id, st, cached.num_computed_tokens[i], n_sched.get(req_id, 0))
+        return meta
+
+    def _chunk(self, meta: PdBridgeConnectorMetadata, req_id: str, st: _SchedState, start: int, scheduled: int) -> None:
+        if st.last_scheduled:
+            return  # decode steps (or a recompute after the capture sealed): nothing to do
+        n = min(scheduled, st.prompt_tokens - start)
+        if n <= 0:
+            return
+        sizes = self.block_sizes if len(self.block_sizes) == len(st.block_ids) else (self.block_sizes[0],) * len(st.block_ids)
+        groups = []
+        for bs, ids in zip(sizes, st.block_ids):
+            first, last = start // bs, (start + n - 1) // bs
+            if last >= len(ids):
+                meta.aborts[req_id] = (st.spec, st.prompt_tokens, f"internal: {len(ids)} KV blocks of {bs} known for tokens up to {start + n}")
+                st.last_scheduled = True
+                return
+            groups.append(ids[first : last + 1])
+        if not groups:
+            meta.aborts[req_id] = (st.spec, st.prompt_tokens, f"internal: no KV blocks known for tokens up to {start + n}")
+            st.last_scheduled = True
+            return
+        is_last = start + n >= st.prompt_tokens
+        st.last_scheduled = is_last
+        st.scheduled_upto = max(st.scheduled_upto, start + n)
+        meta.chunks.append(CaptureChunk(req_id, st.spec, st.prompt_tokens, start, n, tuple(sizes), tuple(groups), is_last))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self.requests.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if not st.last_scheduled:
+            reason = f"request {request.status.name.lower()} after {st.scheduled_upto} of {st.prompt_tokens} prompt tokens"
+            self.pending_aborts[request.request_id] = (st.spec, st.prompt_tokens, reason)
+        return False, {PARAM_KEY: {"request_id": st.spec.request_id, "prompt_scheduled": st.last_scheduled}}

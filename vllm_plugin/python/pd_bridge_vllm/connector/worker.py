@@ -1,0 +1,335 @@
+"""The connector's worker side (each vLLM worker process; only TP rank 0 captures).
+
+One native ``Capture`` per captured request, created lazily on its first chunk; the model tap
+(``tap.py``) calls ``on_attention_input`` per layer during the forward; in ``wait_for_save``
+(once per step, after every layer) it seals each request whose last prompt chunk ran in this
+step. No timers. ``get_finished`` seals anything still open for requests vLLM finished, as
+aborted. Each seal is recorded in the connector's stats (``stats.py``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import tap
+from .._native import Capture, SegmentServer, Weights
+from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, kv_groups, setting
+from .stats import PdBridgeKVConnectorStats
+
+logger = logging.getLogger("vllm.pd_bridge")
+
+
+@dataclass
+class _WorkerCapture:
+    spec: CaptureSpec
+    prompt_tokens: int
+    capture: Capture | None
+    failure: str | None = None
+    fed: dict[int, int] = field(default_factory=dict)  # layer -> next absolute position expected
+    sealed: str | None = None
+
+
+# `_WorkerCapture.sealed` while the sealer thread seals it.
+_SEALING = "sealing"
+
+
+class PdBridgeConnectorWorker:
+    def __init__(self, vllm_config, extra: dict, kv_cache_config=None):
+        self._kv_block_size = vllm_config.cache_config.block_size
+        self._group_sizes, self._layer_group = kv_groups(kv_cache_config, self._kv_block_size)
+        self._dump_dir = setting(extra, "dump_dir", DUMP_ENV)
+        self._meta: PdBridgeConnectorMetadata | None = None
+        self._lock = threading.Lock()
+        self._stats = PdBridgeKVConnectorStats()
+        self._captures: dict[str, _WorkerCapture] = {}
+        self._step_rows: dict[str, int | str] = {}  # req_id -> first batch row (or why not found)
+        self._step_fed: dict[str, set[int]] = {}
+        self._step_end: float | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._server = None
+        self._weights = None
+        self._tap_ok = False
+        self._sealer: concurrent.futures.ThreadPoolExecutor | None = None
+        rank, world = 0, 1
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        except Exception:
+            pass
+        # The attention input (MLA and V4 alike) is replicated over TP ranks: rank 0 streams.
+        self._active = rank == 0
+        if not self._active:
+            logger.info("pd-bridge: TP rank %d of %d: inactive (TP rank 0 captures; the attention input is replicated over TP ranks)", rank, world)
+            return
+        weights_dir = setting(extra, "weights", "PD_BRIDGE_VLLM_WEIGHTS")
+        port = setting(extra, "port", "PD_BRIDGE_VLLM_PORT")
+        token = setting(extra, "token", "PD_BRIDGE_VLLM_TOKEN")
+        address = setting(extra, "address", "PD_BRIDGE_VLLM_ADDRESS", "0.0.0.0")
+        missing = [n for n, v in (("weights", weights_dir), ("port", port), ("token", token)) if v is None]
+        if missing:
+            raise ValueError(
+                f"PdBridgeConnector: missing setting(s) {missing}: put them in kv_connector_extra_config "
+                "or set PD_BRIDGE_VLLM_WEIGHTS / PD_BRIDGE_VLLM_PORT / PD_BRIDGE_VLLM_TOKEN"
+            )
+        self._weights = Weights.load(str(weights_dir))
+        tok = token.encode() if isinstance(token, str) else bytes(token)
+        self._server = SegmentServer(f"{address}:{int(port)}", tok)
+        self._tap_ok = tap.installed() or tap.v4_installed()
+        tap.set_sink(self)
+        logger.info(
+            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s:%d; model tap %s",
+            weights_dir, self._weights.fingerprint, self._weights.num_layers, address, self._server.port,
+            "installed" if self._tap_ok else "NOT installed (set PD_BRIDGE_VLLM=1)",
+        )
+
+    # ------------------------------------------------------------------ step lifecycle
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+
+    def bind(self, meta) -> None:
+        self._meta = meta if isinstance(meta, PdBridgeConnectorMetadata) else None
+        if not self._active:
+            return
+        self._step_rows = {}
+        self._step_fed = {}
+        if self._meta is None:
+            return
+        for req_id, (spec, prompt_tokens, reason) in self._meta.aborts.items():
+            self._seal(req_id, self._get_capture(req_id, spec, prompt_tokens), reason)
+        for ch in self._meta.chunks:
+            wc = self._get_capture(ch.req_id, ch.spec, ch.prompt_tokens)
+            if wc.sealed is None and wc.failure is None and ch.start > min(wc.fed.values(), default=0):
+                wc.failure = f"tokens before position {ch.start} were not computed by this engine (prefix cache hit?)"
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def _get_capture(self, req_id: str, spec: CaptureSpec, prompt_tokens: int) -> _WorkerCapture:
+        wc = self._captures.get(req_id)
+        if wc is not None:
+            return wc
+        cap, failure = None, None
+        try:
+            if spec.fingerprint is not None and spec.fingerprint != self._weights.fingerprint:
+                failure = f"weights fingerprint mismatch: request wants {spec.fingerprint}, this host has {self._weights.fingerprint}"
+            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format)
+        except Exception as e:  # a bad block size, say: the request still runs
+            failure = f"capture could not start: {e}"
+            logger.error("pd-bridge: request %s: %s", req_id, failure)
+        wc = _WorkerCapture(spec, prompt_tokens, cap, failure)
+        self._captures[req_id] = wc
+        return wc
+
+    # ------------------------------------------------------------------ the tap's sink
+
+    def on_attention_input(self, module, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Called by the tap once per attention layer per forward, with the flattened batch."""
+        meta = self._meta
+        if not self._active or meta is None or not meta.chunks:
+            return
+        layer, layer_name = tap.layer_of(module)
+        if layer >= self._weights.num_layers:
+            return  # an MTP / draft layer: not part of the decoder's cache
+        for ch in meta.chunks:
+            wc = self._captures.get(ch.req_id)
+            if wc is None or wc.sealed is not None or wc.failure is not None:
+                continue
+            try:
+                row = self._rows(ch, layer_name, positions)
+                if isinstance(row, str):
+                    wc.failure = row
+                    continue
+                done = wc.fed.get(layer, 0)
+                skip = max(0, done - ch.start)  # rows already fed (a recompute after preemption)
+                if skip < ch.num_tokens:
+                    # A plain descriptor for the core: pointer and length of contiguous bf16 rows.
+                    x = hidden_states[row + skip : row + ch.num_tokens].to(torch.bfloat16).contiguous()
+                    if x.device.type == "cuda":
+                        # The GPU path: pooled on a side stream ordered after torch's current
+                        # stream; nothing here waits for the device. The side stream reads x, so
+                        # torch's allocator must not reuse its memory before that work is done.
+                        cur = torch.cuda.current_stream(x.device)
+                        wc.capture.feed_cuda(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", x.device.index, cur.cuda_stream)
+                        side = wc.capture.side_stream
+                        if side is not None:
+                            x.record_stream(torch.cuda.ExternalStream(side, device=x.device))
+                    else:
+                        wc.capture.feed_ptr(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size())
+                    wc.fed[layer] = ch.start + ch.num_tokens
+                    if self._dump_dir:
+                        self._dump(f"{wc.spec.request_id}.L{layer}.S{ch.start + skip}.in.bin", x.cpu().view(torch.uint16).numpy().tobytes())
+                self._step_fed.setdefault(ch.req_id, set()).add(layer)
+            except Exception as e:
+                wc.failure = f"layer {layer}: {type(e).__name__}: {e}"
+                logger.error("pd-bridge: request %s: %s", ch.req_id, wc.failure)
+
+    def _rows(self, ch: CaptureChunk, layer_name: str, positions: torch.Tensor) -> int | str:
+        """First row of `ch`'s tokens in this step's flattened batch, found by KV slot (with the
+        blocks of the KV-cache group that holds `layer_name`) and checked against positions."""
+        got = self._step_rows.get(ch.req_id)
+        if got is not None:
+            return got
+        from vllm.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+        sm = ctx.slot_mapping
+        sm = sm.get(layer_name) if isinstance(sm, dict) else None
+        if sm is None:
+            md = ctx.attn_metadata
+            md = md.get(layer_name) if isinstance(md, dict) else None
+            sm = getattr(md, "slot_mapping", None)
+        group = self._layer_group.get(layer_name, 0)
+        if group >= len(ch.group_block_ids):
+            group = 0
+        if sm is None:
+            got = f"no slot mapping for {layer_name} in the forward context (micro-batching?)"
+        else:
+            n = ch.num_tokens
+            want = ch.slots(group).to(sm.device)
+            sm64 = sm.to(torch.int64)
+            # The chunk's last token is always written (a sliding-window cache may skip earlier
+            # rows of a long chunk: slot -1), so it locates the chunk.
+            hits = (sm64 == want[-1]).nonzero().flatten()
+            if hits.numel() != 1:
+                got = f"slot {int(want[-1])} of position {ch.start + n - 1} found {hits.numel()} times in the batch (KV-cache group {group} of {layer_name})"
+            else:
+                r = int(hits[0]) - (n - 1)
+                seg = sm64[r : r + n] if r >= 0 else None
+                if seg is None or seg.shape[0] != n:
+                    got = f"tokens {ch.start}..{ch.start + n} are not contiguous in the batch"
+                else:
+                    written = seg >= 0
+                    pos = positions[r : r + n].to(torch.int64).cpu()
+                    if not torch.equal(seg[written], want[written]):
+                        got = f"tokens {ch.start}..{ch.start + n} are not contiguous in the batch"
+                    elif not torch.equal(pos, torch.arange(ch.start, ch.start + n)):
+                        got = f"batch positions disagree with the scheduler for tokens {ch.start}..{ch.start + n}"
+                    else:
+                        got = r
+        self._step_rows[ch.req_id] = got
+        return got
+
+    def wait_for_save(self) -> None:
+        """Once per step, after every layer: seal the requests whose last prompt chunk ran."""
+        meta = self._meta
+        if not self._active or meta is None:
+            return
+        self._step_end = time.perf_counter()  # the step's forward (every layer) has run
+        for ch in meta.chunks:
+            wc = self._captures.get(ch.req_id)
+            if wc is None or wc.sealed is not None:
+                continue
+            fed = self._step_fed.get(ch.req_id, set())
+            if wc.failure is None and len(fed) != self._weights.num_layers:
+                missing = sorted(set(range(self._weights.num_layers)) - fed)
+                wc.failure = (
+                    f"the model tap saw no attention input for layers {missing} "
+                    + ("" if tap.installed() or tap.v4_installed() else "(tap not installed: set PD_BRIDGE_VLLM=1 in vLLM's environment)")
+                )
+            if self._dump_dir:
+                self._dump_latent(ch)
+            if ch.is_last or wc.failure is not None:
+                self._seal(ch.req_id, wc, wc.failure)
+        self._step_end = None
+
+    # ------------------------------------------------------------------ sealing
+
+    def _seal(self, req_id: str, wc: _WorkerCapture, failure: str | None) -> None:
+        if wc.sealed is not None:
+            return
+        t0 = self._step_end
+        if wc.capture is not None and getattr(wc.capture, "pending", 0):
+            # GPU work of this capture is still in flight and sealing waits for it (event by
+            # event), so it happens on the sealer thread: the forward thread goes on.
+            wc.sealed = _SEALING
+            if self._sealer is None:
+                self._sealer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-bridge-seal")
+            self._sealer.submit(self._finish_seal, req_id, wc, failure, t0)
+            return
+        self._finish_seal(req_id, wc, failure, t0)
+
+    def _finish_seal(self, req_id: str, wc: _WorkerCapture, failure: str | None, t0: float | None) -> None:
+        try:
+            if wc.capture is None:
+                verdict = json.dumps({"verdict": "aborted", "blocks": 0, "reason": failure})
+            else:
+                verdict = wc.capture.seal(failure)
+        except Exception as e:  # the decode host then sees a broken stream and falls back
+            logger.error("pd-bridge: capture %s (request %s) could not be sealed: %s", wc.spec.request_id, req_id, e)
+            wc.sealed = "error"
+            self._record(wc, {"verdict": "error", "blocks": 0}, None)
+            return
+        wc.sealed = verdict
+        latency = time.perf_counter() - t0 if t0 is not None else None
+        try:
+            self._record(wc, json.loads(verdict), latency)
+        except Exception:  # pragma: no cover - stats never break a seal
+            logger.exception("pd-bridge: could not record the capture's stats")
+        # From wait_for_save's entry (end of the step that ran the last prompt chunk) to sealed.
+        # The wall-clock end of that step too: a benchmark on one machine compares it with when
+        # the decode host could continue.
+        after = f" ({latency * 1e3:.3f} ms after the step's forward, which ended at unix {time.time() - latency:.6f})" if latency is not None else ""
+        log = logger.info if failure is None else logger.warning
+        log("pd-bridge: capture %s (request %s) sealed: %s%s", wc.spec.request_id, req_id, verdict, after)
+        if self._dump_dir:
+            self._dump(f"{wc.spec.request_id}.verdict.json", verdict.encode(), append=True)
+
+    def _record(self, wc: _WorkerCapture, verdict: dict, latency: float | None) -> None:
+        nbytes = int(getattr(wc.capture, "segment_bytes", 0) or 0) if wc.capture is not None else 0
+        with self._lock:
+            self._stats.record_seal(str(verdict.get("verdict")), int(verdict.get("blocks") or 0), nbytes, latency)
+
+    def get_kv_connector_stats(self) -> PdBridgeKVConnectorStats | None:
+        """The seals recorded since the last call (None when there were none)."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            return self._stats.clone_and_reset()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._active:
+            for req_id in finished_req_ids:
+                wc = self._captures.pop(req_id, None)
+                if wc is not None:
+                    self._seal(req_id, wc, "request finished before its prompt was fully prefilled")
+        return None, None
+
+    def shutdown(self) -> None:
+        if not self._active:
+            return
+        for req_id, wc in list(self._captures.items()):
+            self._seal(req_id, wc, "vLLM shut down")
+        self._captures.clear()
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)
+        if tap._sink is self:
+            tap.set_sink(None)
+
+    # ------------------------------------------------------------------ test-only dumps
+
+    def _dump(self, name: str, data: bytes, append: bool = False) -> None:
+        os.makedirs(self._dump_dir, exist_ok=True)
+        with open(os.path.join(self._dump_dir, name), "ab" if append else "wb") as f:
+            f.write(data + (b"\n" if append else b""))
+
+    def _dump_latent(self, ch: CaptureChunk) -> None:
+        """vLLM's own paged MLA cache rows (latent ‖ roped k_pe) for this chunk's tokens."""
+        wc = self._captures[ch.req_id]
+        for name, kv in self._kv_caches.items():
+            m = tap._LAYER_RE.search(name.rsplit(".attn", 1)[0])
+            if m is None:
+                continue
+            g = self._layer_group.get(name, 0)
+            slots = ch.slots(g if g < len(ch.group_block_ids) else 0)
+            rows = kv.reshape(-1, kv.shape[-1])[slots.to(kv.device)]
+            self._dump(f"{wc.spec.request_id}.L{int(m.group(1))}.S{ch.start}.kv.bin", rows.to(torch.bfloat16).cpu().view(torch.uint16).numpy().tobytes())
