@@ -82,6 +82,9 @@ class Capture:
     @property
     def segments_digest(self) -> tuple[int, str]:
         """Segments sent so far and the SHA-256 (hex) over them, in order."""
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of the segments sent so far, as they go on the wire."""
     def seal(self, failure: str | None = None) -> str:
         """Seal the capture (``failure``: why it stopped early, if it did); returns the verdict
         JSON. Waits for GPU chunks still in flight."""
