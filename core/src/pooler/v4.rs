@@ -390,3 +390,18 @@ pub struct V4BlockView<'a> {
     /// `None` for ratio-128 pools, before the first window, and with the fork.
     pub prev: Vec<Option<[ArrayView<'a>; 2]>>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 1 + 2^-8 + 2^-8: an f32 accumulator keeps both halves (1 + 2^-7, exact in bf16); a bf16
+    /// accumulator rounds 1 + 2^-8 back to 1 (ties to even) each time, as mlx 0.32.0's sum does.
+    #[test]
+    fn pool_sum_rounds_every_partial_only_in_bf16() {
+        let terms = [bf16::ONE, bf16::from_f32(1.0 / 256.0), bf16::from_f32(1.0 / 256.0)];
+        let sum = |s| round_bf16(terms.iter().fold(0f32, |acc, &p| pool_add(s, acc, p)));
+        assert_eq!(sum(PoolSum::F32), bf16::from_f32(1.0 + 1.0 / 128.0));
+        assert_eq!(sum(PoolSum::Bf16), bf16::ONE);
+    }
+}
