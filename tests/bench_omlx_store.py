@@ -25,6 +25,17 @@ identity, and every array is ``mx.eval``-ed before the clock starts, so ``save_b
 materialised bf16 arrays of exactly the shapes, dtypes, markers and metadata oMLX's pipeline
 hands it. A self-check asserts that structure on every block before timing.
 
+Upstream oMLX 0.6.3 (``fmt="upstream-0.6.3"``, ``--format upstream-0.6.3``)
+---------------------------------------------------------------------
+Blocks of 2,048 tokens; every layer's rotating cache is its last 128 rows; each ``PoolingCache``
+state is the 5-tuple ``(buf_kv, buf_gate, pooled, prev_win_kv, prev_win_gate)`` (remainders empty
+at a block boundary; the previous ratio-4 window ``[1,1,4,2*d]``, None for ratio 128). The
+snapshot goes through upstream's own ``compact_pooling_cache_snapshot`` (the scheduler's boundary
+compaction: only this block's pooled rows, ``mx.contiguous``) and ``_extract_block_tensor_slice``
+(which wraps them as ``PoolingCacheDelta`` with their ``int64 [2]`` row range), untimed as above;
+the manager is built as upstream's scheduler builds it (expected model/layers/block size, split
+payload layout on: format version 5).
+
 Data
 ----
 Before timing, one random bf16 array per layer and kind is generated at the size of the LAST
@@ -102,10 +113,15 @@ def _random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> mx.array:
     return mx.array(bits).view(mx.bfloat16)
 
 
-def _rot_rows(ratio: int, b: int, block_size: int) -> int:
-    # ratio-0 layers are normalised to the last `window` rows; compressed layers keep the raw
-    # buffer of the last prefill step (window - 1 + step rows).
-    return min(b, SLIDING_WINDOW) if ratio == 0 else min(b, SLIDING_WINDOW - 1 + block_size)
+FORMATS = ("fork-0.7.0", "upstream-0.6.3")
+
+
+def _rot_rows(ratio: int, b: int, block_size: int, fmt: str = "fork-0.7.0") -> int:
+    # ratio-0 layers are normalised to the last `window` rows; the fork's compressed layers keep
+    # the raw buffer of the last prefill step (window - 1 + step rows), upstream's the last 128.
+    if ratio == 0 or fmt != "fork-0.7.0":
+        return min(b, SLIDING_WINDOW)
+    return min(b, SLIDING_WINDOW - 1 + block_size)
 
 
 def _pool_dims(ratio: int) -> list[int]:
@@ -115,16 +131,20 @@ def _pool_dims(ratio: int) -> list[int]:
 class _Bases:
     """One block's worth (the last block's) of random arrays; blocks take prefix views."""
 
-    def __init__(self, tokens: int, block_size: int, seed: int):
+    def __init__(self, tokens: int, block_size: int, seed: int, fmt: str = "fork-0.7.0"):
         rng = np.random.default_rng(seed)
         self.window: list[mx.array] = []
         self.pools: list[list[mx.array]] = []
+        # upstream: the previous ratio-4 window (kv, gate) of each pool, [1, 1, 4, 2*d]
+        self.prev: list[list[tuple[mx.array, mx.array] | None]] = []
         self.zero_width: dict[int, mx.array] = {}
         for ratio in COMPRESS_RATIOS:
-            rows = _rot_rows(ratio, tokens, block_size)
+            rows = _rot_rows(ratio, tokens, block_size, fmt)
             self.window.append(_random_bf16(rng, (1, 1, rows, HEAD_DIM)))
             self.pools.append([_random_bf16(rng, (1, tokens // ratio, d)) for d in _pool_dims(ratio)])
-        mx.eval(self.window, self.pools)
+            up = fmt == "upstream-0.6.3" and ratio == 4
+            self.prev.append([(_random_bf16(rng, (1, 1, 4, 2 * d)), _random_bf16(rng, (1, 1, 4, 2 * d))) if up else None for d in _pool_dims(ratio)])
+        mx.eval(self.window, self.pools, [t for p in self.prev for w in p if w for t in w])
 
     def values(self, rows: int) -> mx.array:
         if rows not in self.zero_width:
@@ -132,11 +152,12 @@ class _Bases:
         return self.zero_width[rows]
 
 
-def _snapshot(bases: _Bases, b: int, block_size: int) -> list[dict]:
+def _snapshot(bases: _Bases, b: int, block_size: int, fmt: str = "fork-0.7.0") -> list[dict]:
     """The boundary snapshot at ``b`` in the scheduler's extracted-state format."""
+    up = fmt == "upstream-0.6.3"
     out = []
     for i, ratio in enumerate(COMPRESS_RATIOS):
-        rows = _rot_rows(ratio, b, block_size)
+        rows = _rot_rows(ratio, b, block_size, fmt)
         base = bases.window[i]
         keys = base[:, :, base.shape[2] - rows :, :] if ratio == 0 else base[:, :, :rows, :]
         rot_state = (keys, bases.values(rows))
@@ -144,10 +165,17 @@ def _snapshot(bases: _Bases, b: int, block_size: int) -> list[dict]:
         if ratio == 0:
             out.append({"state": rot_state, "meta_state": rot_meta, "class_name": "RotatingKVCache", "cache_type": "RotatingKVCache"})
             continue
-        subs = [rot_state] + [(None, None, p[:, : b // ratio, :]) for p in bases.pools[i]]
+        if up:
+            subs = [rot_state] + [(None, None, p[:, : b // ratio, :], *(w or (None, None))) for p, w in zip(bases.pools[i], bases.prev[i])]
+        else:
+            subs = [rot_state] + [(None, None, p[:, : b // ratio, :]) for p in bases.pools[i]]
         names = ["RotatingKVCache"] + ["PoolingCache"] * len(bases.pools[i])
         metas = [rot_meta] + [ratio] * len(bases.pools[i])
         out.append({"state": subs, "meta_state": (names, metas), "class_name": "CacheList", "cache_type": "CacheList"})
+    if up:
+        from omlx.cache.pooling_delta import compact_pooling_cache_snapshot
+
+        compact_pooling_cache_snapshot(out, b, block_size)
     return out
 
 
@@ -156,6 +184,25 @@ def _extractor() -> BlockAwarePrefixCache:
     pc = BlockAwarePrefixCache.__new__(BlockAwarePrefixCache)
     pc._clone_tensor = lambda t: t
     return pc
+
+
+def _check_block_upstream(cache_data: list, b: int, block_size: int) -> None:
+    """Upstream: 128-row windows; each pool a ``PoolingCacheDelta`` holding this block's rows."""
+    assert len(cache_data) == NUM_LAYERS, len(cache_data)
+    for i, (ratio, layer) in enumerate(zip(COMPRESS_RATIOS, cache_data)):
+        rot = layer if ratio == 0 else layer[1][0]
+        if ratio != 0:
+            assert layer[0] == "__cache_list__" and len(layer[1]) == 1 + len(_pool_dims(ratio)), (i, layer[0])
+        keys = rot[0] if isinstance(rot, tuple) and len(rot) == 2 else rot[2][0]
+        assert tuple(keys.shape) == (1, 1, min(b, SLIDING_WINDOW), HEAD_DIM), (i, keys.shape)
+        if ratio == 0:
+            continue
+        for sub, d in zip(layer[1][1:], _pool_dims(ratio)):
+            tag, cls, elems = sub[0], sub[1], sub[-1]
+            assert cls == "PoolingCacheDelta", (i, tag, cls)
+            pooled, rng = elems[2], elems[-1]
+            assert tuple(pooled.shape) == (1, block_size // ratio, d), (i, pooled.shape)
+            assert rng.tolist() == [(b - block_size) // ratio, b // ratio], (i, rng.tolist())
 
 
 def _check_block(cache_data: list, b: int, block_size: int) -> None:
@@ -212,6 +259,7 @@ def omlx_store(
     mode: str = "pipelined",
     max_inflight: int = 4,
     keep: bool = False,
+    fmt: str = "fork-0.7.0",
 ) -> dict:
     """Store ``tokens // block_size`` DeepSeek-V4-Flash blocks through oMLX's SSD store in
     ``out_dir`` and time it (see the module docstring for exactly what is timed).
@@ -238,16 +286,19 @@ def omlx_store(
     n = tokens // block_size
 
     # ---- untimed preparation -------------------------------------------------------------
-    bases = _Bases(tokens, block_size, seed)
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, not {fmt!r}")
+    up = fmt == "upstream-0.6.3"
+    bases = _Bases(tokens, block_size, seed, fmt)
     ext = _extractor()
     jobs = []
     for k in range(n):
         b = (k + 1) * block_size
-        snap = _snapshot(bases, b, block_size)
+        snap = _snapshot(bases, b, block_size, fmt)
         # store_cache: snapshot-backed block, meta from the snapshot, types from cache_type.
         cache_data = ext._extract_block_tensor_slice(snap, k * block_size, b, None, is_last_block=(k == n - 1), snapshot_cache_data=snap)
         assert cache_data is not None, "oMLX's _extract_block_tensor_slice failed"
-        _check_block(cache_data, b, block_size)
+        (_check_block_upstream if up else _check_block)(cache_data, b, block_size)
         types = [d.get("cache_type", "KVCache") for d in snap]
         metas = [d["meta_state"] for d in snap]
         jobs.append((cache_data, types, metas, _block_nbytes(cache_data)))
@@ -256,7 +307,14 @@ def omlx_store(
     # Size limit: the whole disk (oMLX further caps it at 99% of what is free), so nothing is
     # evicted and its "disk pressure" warning (effective limit < 10% of configured) stays quiet.
     out_dir.mkdir(parents=True, exist_ok=True)
-    mgr = PagedSSDCacheManager(cache_dir=out_dir, max_size_bytes=shutil.disk_usage(out_dir).total, hot_cache_max_bytes=0)
+    if up:  # as upstream's scheduler builds it (split payload layout on by default)
+        mgr = PagedSSDCacheManager(
+            cache_dir=out_dir, max_size_bytes=shutil.disk_usage(out_dir).total, hot_cache_max_bytes=0,
+            expected_model_name=MODEL_NAME, expected_num_layers=NUM_LAYERS, expected_block_size=block_size,
+            expected_block_size_tokens=block_size, gdn_ssd_split_enabled=True,
+        )  # fmt: skip
+    else:
+        mgr = PagedSSDCacheManager(cache_dir=out_dir, max_size_bytes=shutil.disk_usage(out_dir).total, hot_cache_max_bytes=0)
     hashes = _hashes(n)
     paths = [mgr._get_file_path(h) for h in hashes]
     sizes: dict[int, int] = {}
@@ -330,6 +388,7 @@ def omlx_store(
         "gb_per_s": total / seconds / 1e9,
         "tokens_per_s": len(written) * block_size / seconds,
         "peak_rss_mb": round(peak, 1),
+        "format": fmt,
         "mode": mode,
         "max_inflight": bound,
         "dropped": len(dropped),
@@ -370,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("pipelined", "serial"), default="pipelined")
     ap.add_argument("--max-inflight", type=int, default=4, help="pipelined: pending blocks allowed before the next save_block (0: unbounded, as oMLX)")
     ap.add_argument("--keep", action="store_true", help="keep the block files")
+    ap.add_argument("--format", choices=FORMATS, default="fork-0.7.0", help="which oMLX's block layout (upstream-0.6.3: 2,048-token blocks)")
     a = ap.parse_args(argv)
     tmp = None
     out = a.out
@@ -378,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tmp = out = Path(tempfile.mkdtemp(prefix="bench_omlx_store_"))
     try:
-        res = omlx_store(a.tokens, a.block_size, out, a.seed, mode=a.mode, max_inflight=a.max_inflight, keep=a.keep)
+        res = omlx_store(a.tokens, a.block_size, out, a.seed, mode=a.mode, max_inflight=a.max_inflight, keep=a.keep, fmt=a.format)
     finally:
         if tmp is not None and not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
