@@ -117,8 +117,12 @@ def assert_blocks_close(bridged: list[Path], native: list[Path], bound: float = 
 def assert_all_blocks_valid(server) -> None:
     from pd_bridge_omlx import inspect_block
 
+    from pd_bridge_omlx import versions
+
+    v = versions.detect()
+    name = str(server.model_path) if v.model_name == "path" else server.model
     for f in O.block_files(server.cache_dir):
-        inspect_block(str(f), model_name=str(server.model_path), block_size=256)
+        inspect_block(str(f), model_name=name, block_size=256, omlx_format=v.omlx_format)
     leftovers = [p for p in Path(server.cache_dir).rglob("*") if p.is_file() and "tmp" in p.name and "_boundary" not in str(p)]
     assert not leftovers, leftovers
 

@@ -210,7 +210,9 @@ class Bridge:
             return native(f"{what}; {uncached} bridgeable uncached tokens is under PD_BRIDGE_MIN_UNCACHED_TOKENS={cfg.min_uncached_tokens}", request_id), 0, ids
 
         # From here a bridge is tried: failures are "declined" (or "partial").
-        weights_dir = cfg.weights_dir or str(scheduler.config.model_name)
+        # The directory oMLX loaded the model from: the engine's model_name on every supported
+        # oMLX (upstream's scheduler holds the model id instead).
+        weights_dir = cfg.weights_dir or str(getattr(getattr(engine_core, "config", None), "model_name", "") or scheduler.config.model_name)
         try:
             fingerprint = await self._run(self.fingerprint, weights_dir)
         except Exception as e:

@@ -62,18 +62,13 @@ def _doctor(args) -> int:
 
     d = _Doctor()
     print(f"pd-bridge doctor (pd-bridge-omlx {__version__}, Python {sys.version.split()[0]})")
+    from . import versions
+
     try:
-        import omlx
-
-        from .adapter import SUPPORTED_OMLX
-
-        v = getattr(omlx, "__version__", "unknown")
-        if v in SUPPORTED_OMLX:
-            d.ok("oMLX", v)
-        else:
-            d.fail("oMLX", f"version {v}", f"install oMLX {', '.join(SUPPORTED_OMLX)}")
-    except ImportError:
-        d.fail("oMLX", "not importable here", "run the doctor with the Python that runs oMLX")
+        d.ok("oMLX", versions.detect().describe())
+    except versions.UnsupportedOmlxError as e:
+        fix = "run the doctor with the Python that runs oMLX" if "no installed distribution" in str(e) else f"install one of: {versions.supported_text()}"
+        d.fail("oMLX", str(e), fix)
     if enabled():
         d.ok(ENV_VAR, "set")
     else:
@@ -100,6 +95,7 @@ def _doctor(args) -> int:
 
 
 def _doctor_links(d: _Doctor, cfg, host, args) -> int:
+    from . import versions
     from .bridge import PrefillUnavailable
 
     try:
@@ -136,9 +132,13 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
     block = args.block_size
     ids = [random.Random(7).randrange(10, max(11, vocab - 1)) for _ in range(block + 1)]
     capture_id = f"pdb-doctor-{os.getpid()}-{int(time.time())}"
-    spec = {"request_id": capture_id, "block_size": block, "fingerprint": weights.fingerprint}
+    try:
+        fmt = versions.detect().omlx_format
+    except versions.UnsupportedOmlxError:
+        fmt = None  # reported above; the round trip still checks the link in the default format
+    spec = {"request_id": capture_id, "block_size": block, "fingerprint": weights.fingerprint, **({"omlx_format": fmt} if fmt else {})}
     with tempfile.TemporaryDirectory(prefix="pd-bridge-doctor-") as tmp:
-        writer = BlockWriter(tmp, model_dir, block, ids[:block])
+        writer = BlockWriter(tmp, model_dir, block, ids[:block], fmt)
         import threading
 
         result: dict = {}
@@ -167,7 +167,7 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
                 files = list(Path(tmp).rglob("*.safetensors"))
                 try:
                     for f in files:
-                        inspect_block(str(f), model_name=model_dir, block_size=block)
+                        inspect_block(str(f), model_name=model_dir, block_size=block, omlx_format=fmt)
                     d.ok("round trip", f"1 block of {block} tokens prefilled, streamed, written and validated")
                     d.ok("weights fingerprint", "the prefill host computes with the same decoder weights")
                 except Exception as e:
