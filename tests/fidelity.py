@@ -198,14 +198,15 @@ def tail_logprobs(model, cache, tail: Sequence[int]) -> np.ndarray:
     return np.array(lp)
 
 
-MIN_POSITIONS = 192
+MIN_POSITIONS, MAX_POSITIONS = 192, 512
 
 
 def probe_tail(ids: Sequence[int], n: int) -> list[int]:
-    """The tokens after the cached ``n``: the prompt's own tail, continued (teacher-forced) with
-    fixed pseudo-random ids to at least ``MIN_POSITIONS`` positions, so a prompt that ends just
-    past a block boundary is still measured over many predictions."""
-    tail = [int(t) for t in ids[n:]]
+    """The tokens after the cached ``n``: the prompt's own tail (its first ``MAX_POSITIONS``),
+    continued (teacher-forced) with fixed pseudo-random ids to at least ``MIN_POSITIONS``
+    positions, so a prompt that ends just past a block boundary is still measured over many
+    predictions."""
+    tail = [int(t) for t in ids[n : n + MAX_POSITIONS]]
     rng = np.random.default_rng(12345)
     if len(tail) < MIN_POSITIONS:
         tail += [int(t) for t in rng.integers(2, 1000, size=MIN_POSITIONS - len(tail))]
