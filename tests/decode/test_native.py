@@ -109,14 +109,24 @@ def test_feed_rejections(models):
 
 
 def test_adapter_refuses_an_unsupported_omlx(monkeypatch):
+    """The installed oMLX is told apart by the distribution that ships it, not by its version
+    string (the fork calls itself 0.7.0); anything else is refused naming what is supported."""
     import omlx
 
-    from pd_bridge_omlx import adapter
+    from pd_bridge_omlx import adapter, versions
 
-    assert adapter.check_version() == "0.7.0"
-    monkeypatch.setattr(omlx, "__version__", "0.9.1")
-    with pytest.raises(adapter.UnsupportedOmlxError, match=r"supports oMLX 0\.7\.0; this is oMLX 0\.9\.1"):
-        adapter.check_version()
+    found = versions.installed_distributions()
+    entry = versions.match(found)
+    assert adapter.check_version() == entry.describe()
+    assert (entry.distribution, entry.key) in (("omlx", "upstream-0.6.3"), ("flyto-mlx", "fork-0.7.0")), found
+    monkeypatch.setattr(omlx, "__version__", "0.9.1")  # the string alone changes nothing
+    assert versions.match(found) is entry
+    with pytest.raises(versions.UnsupportedOmlxError, match=r"supports omlx 0\.6\.3rc2/0\.6\.3 .*flyto-mlx 0\.7\.0 .*; this is omlx 0\.7\.0"):
+        versions.match({"omlx": "0.7.0"})  # upstream 0.7.0: not an entry yet
+    with pytest.raises(versions.UnsupportedOmlxError, match=r"this is flyto-mlx 0\.6\.0"):
+        versions.match({"flyto-mlx": "0.6.0"})
+    with pytest.raises(versions.UnsupportedOmlxError, match="no installed distribution provides"):
+        versions.match({})
 
 
 def test_autoload_is_inert_without_env_var():
