@@ -20,21 +20,16 @@ Which oMLX is installed, its block format and the hook points wrapped here come 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from pathlib import Path
-
-import importlib
 
 from . import versions
 from ._native import BlockRejected, inspect_block
 from .versions import UnsupportedOmlxError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("pd_bridge_omlx")
-
-# Distribution versions in the table (older callers compare a version string against it; the
-# check itself goes by distribution, see versions.py).
-SUPPORTED_OMLX = tuple(v for entry in versions.SUPPORTED for v in entry.versions)
 
 _lock = threading.Lock()
 # Serialises our additions to oMLX's SSD index (rescan, the bridge's ingest threads).
