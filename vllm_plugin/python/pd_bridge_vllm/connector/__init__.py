@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
 
 from .. import versions
 from .metadata import (  # noqa: F401  (the public names of the former single module)
@@ -57,7 +57,12 @@ if TYPE_CHECKING:
     from .worker import PdBridgeConnectorWorker
 
 
-class PdBridgeConnector(KVConnectorBase_V1):
+class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid KV-cache manager on with this connector (DeepSeek-V4's
+    sliding-window and compressed layers in their own KV-cache groups, as without a connector;
+    vLLM 0.26's FlashMLA prefill fails on the unified layout); the worker locates a layer's rows
+    with the blocks of that layer's own group either way."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         check_engine_settings(vllm_config)
         versions.check()
@@ -87,6 +92,9 @@ class PdBridgeConnector(KVConnectorBase_V1):
         return self.connector_scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self.connector_scheduler.request_finished(request, block_ids)
 
     # ------------------------------------------------------------------ worker side
