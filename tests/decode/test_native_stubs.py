@@ -1,41 +1,17 @@
 """The oMLX wheel's native module: its shipped type stub matches what it exports, and `feed`
 reads any contiguous buffer in place."""
 
-import ast
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import stubs  # tests/ is on the path: conftest
 from pd_bridge_omlx import _native
 
 
-def _public(obj) -> set[str]:
-    return {n for n in vars(obj) if not n.startswith("_")}
-
-
-def stub_names(stub: Path) -> dict[str, set[str] | None]:
-    """{top-level name: member names (classes) or None} declared by a .pyi stub."""
-    out: dict[str, set[str] | None] = {}
-    for node in ast.parse(stub.read_text()).body:
-        if isinstance(node, ast.ClassDef):
-            out[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")}
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            out[node.name] = None
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            out[node.target.id] = None
-    return out
-
-
 def test_native_stub_matches_the_module():
-    stub = Path(_native.__file__).with_name("_native.pyi")
-    assert stub.is_file(), f"{stub} is not installed with the wheel"
-    declared = stub_names(stub)
-    assert set(declared) == _public(_native), set(declared) ^ _public(_native)
-    for name, members in declared.items():
-        obj = getattr(_native, name)
-        if members is not None and not issubclass(obj, BaseException):
-            assert members == _public(obj), (name, members ^ _public(obj))
+    stubs.assert_stub_matches(_native)
 
 
 def test_feed_takes_any_contiguous_buffer(models):

@@ -4,6 +4,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_entry_point_is_declared():
@@ -35,7 +36,10 @@ def test_register_without_env_var_does_nothing(monkeypatch, caplog):
 def test_register_with_env_var_installs_the_tap_once(monkeypatch):
     import pytest
 
-    pytest.importorskip("vllm", reason="vLLM is not installed in this venv")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import engines
+
+    engines.require("vllm")
     import pd_bridge_vllm
     from pd_bridge_vllm import tap
 
@@ -87,7 +91,10 @@ def test_wheel_imports_on_python_310(tmp_path):
         pytest.skip("no Python 3.10 interpreter on this machine")
     wheels = glob.glob(os.path.join(os.environ.get("PD_BRIDGE_WHEELS", ""), "vllm_plugin", "pd_bridge_vllm-*.whl"))
     if not wheels:
-        pytest.skip("PD_BRIDGE_WHEELS does not point at the built wheels (run via tests/bridge.sh)")
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import engines
+
+        engines.missing("PD_BRIDGE_WHEELS does not point at the built wheels (run via tests/bridge.sh)")
     venv = tmp_path / "venv310"
     subprocess.run([py310, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheels[0]], check=True)
@@ -166,36 +173,11 @@ def test_feed_takes_any_contiguous_buffer(tmp_path):
         cap.feed(0, 0, raw[:-1])
 
 
-def _public(obj) -> set[str]:
-    return {n for n in vars(obj) if not n.startswith("_")}
-
-
-def stub_names(stub_path):
-    """{top-level name: set of member names (classes) or None} declared by a .pyi stub."""
-    import ast
-
-    out = {}
-    for node in ast.parse(stub_path.read_text()).body:
-        if isinstance(node, ast.ClassDef):
-            out[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")}
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            out[node.name] = None
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            out[node.target.id] = None
-    return out
-
-
 def test_native_stub_matches_the_module():
     """The shipped _native.pyi declares exactly what the built module exports, members included."""
-    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import stubs
 
     from pd_bridge_vllm import _native
 
-    stub = Path(_native.__file__).with_name("_native.pyi")
-    assert stub.is_file(), f"{stub} is not installed with the wheel"
-    declared = stub_names(stub)
-    assert set(declared) == _public(_native), (set(declared) ^ _public(_native))
-    for name, members in declared.items():
-        obj = getattr(_native, name)
-        if members is not None and not issubclass(obj, BaseException):
-            assert members == _public(obj), (name, members ^ _public(obj))
+    stubs.assert_stub_matches(_native)
