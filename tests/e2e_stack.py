@@ -63,21 +63,28 @@ def build_model(work: Path, seed: int = 0, name: str = "tiny-mla") -> Model:
     subprocess.run([py, str(HERE / "prefill" / "tiny_mla_hf.py"), str(out), str(seed)], check=True, capture_output=True)
     hf_dir = out / "hf"
     root = work / f"omlx-models-{seed}"
-    dst = root / name
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(hf_dir, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    rope = dict(cfg.pop("rope_parameters"))
-    cfg["rope_theta"] = rope.pop("rope_theta")
-    rope["type"] = rope.pop("rope_type")
-    cfg["rope_scaling"] = rope  # MLX's (and the decoder plan's) name for the same settings
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
-    omlx_server.add_tokenizer(dst)
+    dst = omlx_model_from_hf(hf_dir, root / name)
     weights = out / "decoder-weights"
     res = subprocess.run([*_pd_bridge_cli(), "export-weights", str(dst), str(weights)], check=True, capture_output=True, text=True)
     fingerprint = res.stdout.split("fingerprint ")[1].split()[0]
     return Model(hf_dir, root, dst, weights, fingerprint)
+
+
+def omlx_model_from_hf(hf_dir: Path, dst: Path) -> Path:
+    """The same checkpoint as an oMLX model dir: MLX's config names for the rope settings and the
+    locally trained tokenizer."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(hf_dir, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    if "rope_parameters" in cfg:  # transformers 5 writes the rope settings under one key
+        rope = dict(cfg.pop("rope_parameters"))
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        rope["type"] = rope.pop("rope_type")
+        cfg["rope_scaling"] = rope  # MLX's (and the decoder plan's) name for the same settings
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    omlx_server.add_tokenizer(dst)
+    return dst
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:

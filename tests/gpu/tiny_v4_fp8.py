@@ -123,7 +123,7 @@ def quant_fp8_pow2(w):
 
     N, K = w.shape
     nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
-    wp = torch.zeros(nb * BLOCK, kb * BLOCK)
+    wp = torch.zeros(nb * BLOCK, kb * BLOCK, device=w.device)
     wp[:N, :K] = w
     blocks = wp.view(nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8)
@@ -143,19 +143,29 @@ def dequant(q, s):
     return b
 
 
-def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
+# DeepSeek-V4-Flash's attention (43 layers, hidden 4096, 64 heads of 512, q/o LoRA 1024 in 8 groups,
+# index head 128, Flash's compress ratios) with a MoE small enough to fit: for the benchmark.
+FLASH_ATTENTION = {
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "q_lora_rank": 1024, "o_lora_rank": 1024,
+    "o_groups": 8, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "n_routed_experts": 4, "moe_intermediate_size": 256,
+}
+
+
+def build(out: Path, seed: int = 0, overrides: dict | None = None, device: str = "cpu") -> tuple[Path, Path]:
+    """``overrides``: config keys to change (e.g. ``FLASH_ATTENTION``); ``device``: where the random
+    tensors are made (a GPU makes the Flash-sized checkpoint in seconds)."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = json.loads(json.dumps(CONFIG))
+    cfg = json.loads(json.dumps({**CONFIG, **(overrides or {})}))
     out = Path(out)
     hf_dir, mlx_dir = out / "hf", out / "mlx"
     hf_dir.mkdir(parents=True, exist_ok=True)
     mlx_dir.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(shape):
-        return torch.randn(shape, generator=gen, dtype=torch.float32)
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
 
     hf, dec = {}, {}
     for name, shape, kind in tensor_specs(cfg):
@@ -174,7 +184,7 @@ def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
         elif kind in ("sink", "bias"):
             t = hf[name] = ((0.1 if kind == "sink" else 0.01) * randn(shape)).float()
         elif kind == "idx":
-            t = hf[name] = torch.randint(0, cfg["n_routed_experts"], shape, generator=gen, dtype=torch.int64).to(torch.int32)
+            t = hf[name] = torch.randint(0, cfg["n_routed_experts"], shape, generator=gen, dtype=torch.int64, device=device).to(torch.int32)
         else:
             raise AssertionError(kind)
         # The decoder's view: each layer's attention-cache tensors, MLX-named.
@@ -182,10 +192,10 @@ def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
             leaf = name.split(".attn.", 1)[1]
             if leaf.startswith(("wkv.", "kv_norm.", "compressor.", "indexer.compressor.")):
                 dec["model." + name] = t.contiguous().clone()
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous().cpu() for k, v in hf.items()}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     (hf_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     (hf_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-    save_file(dec, str(mlx_dir / "model.safetensors"), metadata={"format": "mlx"})
+    save_file({k: v.cpu() for k, v in dec.items()}, str(mlx_dir / "model.safetensors"), metadata={"format": "mlx"})
     (mlx_dir / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **{k: cfg[k] for k in DECODER_KEYS}}, indent=1))
     return hf_dir, mlx_dir
 

@@ -2,147 +2,125 @@
 """The GPU host for real: a CUDA vLLM (0.26.0, the vLLM CUDA kit) with pd-bridge-vllm's plugin and
 connector capturing inside the engine, the tap feeding CUDA descriptors to the GPU capture.
 
-    python3 tests/gpu/vllm_capture.py OUT [--family mla,v4] [--chunk 1024]
+    python3 tests/gpu/decode_check.py prompts PROMPTS.json        # here: the prompts, tokenized by oMLX's tokenizer
+    python3 tests/gpu/vllm_capture.py OUT --prompts PROMPTS.json   # on the H200, with the kit
+    python3 tests/gpu/decode_check.py check OUT                   # here: a real upstream oMLX serves the blocks
 
 For each family — a tiny DeepSeek-V3-style MLA model (``tests/prefill/tiny_mla_hf.py`` with the
 head dims FA3 takes on Hopper: 128/64/128) and a tiny DeepSeek-V4 (``tiny_v4_fp8.py``: FP8
 block-quantized, fp8 KV cache, FlashMLA sparse), each generated from ONE set of weights for vLLM's
-checkpoint and the decoder's MLX-named weights dir — one engine (its own process) serves two
-concurrent captured prompts of 3,000 and 2,600 tokens, prefilled over several chunks
+checkpoint and the decoder's weights dir — one engine (its own process) serves two concurrent
+captured prompts of 4,400 and 2,600 tokens, prefilled over several chunks
 (``max_num_batched_tokens`` = ``--chunk``, the two requests sharing steps), with
-``PD_BRIDGE_GPU_GEMM=exact``. The connector's test-only dump records the attention inputs the tap
-fed. Then, here:
+``PD_BRIDGE_GPU_GEMM=exact``. Request ``a`` asks for upstream oMLX 0.6.3's block format (what Mac
+users run), ``b`` for the fork's. The connector's test-only dump records the attention inputs the
+tap fed. Every capture is pulled by the decode host's own client (``pd_bridge_omlx.ingest``, the
+core's wire) into oMLX block files. Then, here:
 
 1. every layer was fed every prompt row exactly once, over more than one step;
 2. each capture sealed ``complete`` exactly once (its verdict file has one line);
-3. the segments the engine streamed (pulled over the authenticated segment port, recorded as
-   files) are byte-identical to what the CPU reference (``Capture.feed``, host rows) computes
-   from the same attention inputs;
+3. the blocks the engine's capture streamed are identical, array by array, to the blocks of the
+   CPU reference (``Capture.feed``, host rows) from the same attention inputs;
 4. tensor cores (the default GEMM): the same inputs through the GPU path with CUDA tensors,
    compared with the CPU reference value by value: the fraction of bf16 values bit-identical
    and the largest difference in ulps;
 5. the capture's figures reached vLLM's metrics (``vllm:pd_bridge_*`` from ``LLM.get_metrics()``,
    what ``/metrics`` serves): 2 complete captures, their blocks and bytes.
 
-``OUT`` gets ``result.json`` (every figure), ``<family>-a.pdbw`` (the first request's segment
-stream as the connector served it, split into ``<family>-a.2.pdbw`` ... past 15 MiB), ``<family>-model.tar`` (its prompt ids and the decoder
-weights dir) — both for ``tests/gpu/ingest_streams.py`` on the decode side — and the engine logs. Exit 0 when every check
-passes. Needs a CUDA GPU and vLLM 0.26.0 with pd_bridge_vllm installed (the kit: see README).
+``OUT`` gets ``result.json`` (every figure), ``<family>-a/`` (request a's upstream-format block
+files, as the decode host wrote them), ``<family>-model.tar`` (the prompt ids, the decoder weights
+dir and, for MLA, the whole checkpoint) for ``decode_check.py check``, and the engine logs. Exit 0
+when every check passes. Needs a CUDA GPU and vLLM 0.26.0 with pd_bridge_vllm and pd_bridge_omlx
+installed (the kit: see README).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import os
 import random
+import shutil
 import socket
-import struct
 import subprocess
 import sys
 import tarfile
 import time
-import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "prefill"))
 TOKEN = b"gpu-test-token"
-BLOCK = 256
-PROMPTS = {"a": (3000, 11), "b": (2600, 12)}  # capture id suffix -> (prompt tokens, seed)
-FRAME = struct.Struct("<4sBBHIQ")  # core/src/wire.rs: magic, version, kind, 0, crc32, len
-CHALLENGE, HELLO, SEGMENT, SEAL, ERROR = 1, 2, 3, 4, 5
+# capture id suffix -> (prompt tokens, seed); a spans two of upstream's 2,048-token V4 blocks
+PROMPTS = {"a": (4400, 11), "b": (2600, 12)}
+# Request a: upstream oMLX 0.6.3's blocks (served by decode_check.py); b: the fork's.
+FORMATS = {"a": "upstream-0.6.3", "b": "fork-0.7.0"}
+MODEL_NAME = {"mla": "tiny-mla-gpu", "v4": "tiny-v4-gpu"}  # the oMLX model id the blocks are keyed on
 
 
-# ---------------------------------------------------------------------------------- the wire
+# ---------------------------------------------------------------------------------- the wire, through the core
 
 
-def _recv(sock, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        b = sock.recv(n - len(buf))
-        if not b:
-            raise ConnectionError(f"stream ended after {len(buf)} of {n} bytes")
-        buf += b
-    return bytes(buf)
+def pull(port: int, rid: str, fingerprint: str, ids: list[int], fmt: str, block: int, model_name: str, dest: Path, timeout: float = 120.0) -> dict:
+    """Pull capture ``rid`` from the segment port as the decode host does (``pd_bridge_omlx.ingest``:
+    the core's authenticated wire, its checks) into oMLX block files under ``dest``."""
+    import pd_bridge_omlx
+
+    writer = pd_bridge_omlx.BlockWriter(str(dest), model_name, block, ids, fmt)
+    n, seal = pd_bridge_omlx.ingest("127.0.0.1", port, TOKEN, rid, fingerprint, writer, timeout_seconds=timeout)
+    writer.flush()
+    return {"blocks": n, "seal": json.loads(seal)}
 
 
-def read_frame(sock) -> tuple[int, bytes, bytes]:
-    head = _recv(sock, FRAME.size)
-    magic, ver, kind, _, crc, n = FRAME.unpack(head)
-    assert magic == b"PDBW" and ver == 1, head
-    payload = _recv(sock, n)
-    assert zlib.crc32(payload) == crc, "frame checksum mismatch"
-    return kind, head, payload
+def block_arrays(path: Path) -> dict[str, tuple[str, bytes]]:
+    """{tensor name: (dtype, raw bytes)} of one safetensors block file (no library needed)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n])
+    base = 8 + n
+    return {k: (v["dtype"], raw[base + v["data_offsets"][0] : base + v["data_offsets"][1]]) for k, v in head.items() if k != "__metadata__"}
 
 
-def frame(kind: int, payload: bytes) -> bytes:
-    return FRAME.pack(b"PDBW", 1, kind, 0, zlib.crc32(payload), len(payload)) + payload
+def block_set(root: Path) -> dict[str, dict[str, tuple[str, bytes]]]:
+    return {f.name: block_arrays(f) for f in sorted(root.rglob("*.safetensors"))}
 
 
-def record(port: int, rid: str, token: bytes = TOKEN, timeout: float = 120.0) -> list[tuple[int, bytes]]:
-    """Pull ``rid``'s stream as the decode host does (challenge-response on the token); return
-    its frames after the hello: segments, then the seal."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        kind, _, nonce = read_frame(s)
-        assert kind == CHALLENGE and len(nonce) == 32
-        mac = hmac.new(token, nonce + rid.encode(), hashlib.sha256).hexdigest()
-        s.sendall(frame(HELLO, json.dumps({"request_id": rid, "mac": mac}).encode()))
-        out = []
-        while True:
-            kind, _, payload = read_frame(s)
-            out.append((kind, payload))
-            if kind == ERROR:
-                raise RuntimeError(f"{rid}: server error: {payload.decode(errors='replace')}")
-            if kind == SEAL:
-                return out
+def blocks_identical(ref: Path, got: Path) -> bool:
+    a, b = block_set(ref), block_set(got)
+    return bool(a) and a == b
 
 
-def segment_arrays(payload: bytes):
-    """(header, [bf16 bit patterns as uint16 arrays]) of one segment payload."""
+def ulp_compare(ref: Path, got: Path) -> dict:
+    """Value-by-value comparison of two sets of block files (their bf16 arrays): the fraction
+    identical and the largest distance in ulps."""
     import numpy as np
 
-    n = int.from_bytes(payload[:4], "little")
-    header = json.loads(payload[4 : 4 + n])
-    body = np.frombuffer(payload[4 + n :], dtype=np.uint16)
-    arrays, at = [], 0
-    for layer in header["layers"]:
-        for a in layer["arrays"]:
-            k = a["rows"] * a["width"]
-            arrays.append(body[at : at + k])
-            at += k
-    assert at == body.size
-    return header, arrays
+    A, B = block_set(ref), block_set(got)
+    assert A.keys() == B.keys() and A, (sorted(A), sorted(B))
+    total = same = worst = 0
+    hist: dict[int, int] = {}
+    for f in A:
+        assert A[f].keys() == B[f].keys(), f
+        for name, (dt, x) in A[f].items():
+            dt2, y = B[f][name]
+            assert dt == dt2 and len(x) == len(y), (f, name)
+            if dt != "BF16":
+                total += 1
+                same += int(x == y)
+                continue
+            u, v = np.frombuffer(x, np.uint16), np.frombuffer(y, np.uint16)
 
+            def key(w):  # ordered integer view of bf16 (sign-magnitude -> two's complement order)
+                t = w.astype(np.int32)
+                return np.where(t & 0x8000, 0x8000 - t, t)
 
-def ulp_compare(ref: list[tuple[int, bytes]], got: list[tuple[int, bytes]]) -> dict:
-    """Value-by-value comparison of two streams' segments (bf16): identical fraction, max ulps."""
-    import numpy as np
-
-    total = same = 0
-    worst = 0
-    hist = {}
-    for (k1, p1), (k2, p2) in zip(ref, got):
-        if k1 != SEGMENT:
-            continue
-        h1, a1 = segment_arrays(p1)
-        h2, a2 = segment_arrays(p2)
-        assert h1 == h2, (h1, h2)
-        for x, y in zip(a1, a2):
-            # ordered integer view of bf16 (sign-magnitude -> two's complement order)
-            def key(u):
-                v = u.astype(np.int32)
-                return np.where(v & 0x8000, 0x8000 - v, v)
-
-            d = np.abs(key(x) - key(y))
+            d = np.abs(key(u) - key(v))
             total += d.size
-            same += int((x == y).sum())
+            same += int((u == v).sum())
             worst = max(worst, int(d.max()) if d.size else 0)
-            for b, c in zip(*np.unique(np.minimum(d, 4), return_counts=True)):
-                hist[int(b)] = hist.get(int(b), 0) + int(c)
+            for k, c in zip(*np.unique(np.minimum(d, 4), return_counts=True)):
+                hist[int(k)] = hist.get(int(k), 0) + int(c)
     return {"values": total, "identical": same, "identical_fraction": same / total if total else 1.0, "max_ulp": worst,
             "ulp_histogram": {("%d" % k if k < 4 else ">=4"): v for k, v in sorted(hist.items())}}
 
@@ -187,19 +165,19 @@ def engine(family: str, work: Path, chunk: int) -> None:
     t0 = time.monotonic()
     llm = LLM(**kw)
     t_start = time.monotonic() - t0
-    ids = {k: prompt_ids(n, seed) for k, (n, seed) in PROMPTS.items()}
+    import pd_bridge_omlx
+
+    ids = spec["prompts"] or {k: prompt_ids(n, seed) for k, (n, seed) in PROMPTS.items()}
+    decoder = pd_bridge_omlx.Weights.load(spec["mlx"])
+    # The block size the decoder's oMLX picks for this model and format (the core's rule).
+    block = {k: pd_bridge_omlx.expected_block_size(decoder, FORMATS[k]) for k in ids}
     sps = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False,
-                          extra_args={"kv_transfer_params": {"pd_capture": {"request_id": f"{family}-{k}", "block_size": BLOCK}}}) for k in ids]
+                          extra_args={"kv_transfer_params": {"pd_capture": {"request_id": f"{family}-{k}", "block_size": block[k], "omlx_format": FORMATS[k]}}}) for k in ids]
     t1 = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=v) for v in ids.values()], sps, use_tqdm=False)  # one call: concurrent
     t_gen = time.monotonic() - t1
-    streams = {}
-    for k in ids:
-        rid = f"{family}-{k}"
-        frames = record(spec["port"], rid)
-        (work / f"{rid}.pdbw").write_bytes(b"".join(frame(kd, p) for kd, p in frames))
-        streams[rid] = {"segments": sum(kd == SEGMENT for kd, _ in frames), "seal": json.loads(frames[-1][1]),
-                        "wire_bytes": sum(FRAME.size + len(p) for kd, p in frames if kd == SEGMENT)}
+    fingerprint = decoder.fingerprint
+    streams = {k: pull(spec["port"], f"{family}-{k}", fingerprint, ids[k], FORMATS[k], block[k], MODEL_NAME[family], work / "blocks-engine" / k) for k in ids}
     # One more (uncaptured) step carries the last seals' stats to the frontend's loggers.
     time.sleep(1.0)
     llm.generate([TokensPrompt(prompt_token_ids=prompt_ids(16, 3))], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
@@ -210,7 +188,7 @@ def engine(family: str, work: Path, chunk: int) -> None:
             if val is None and hasattr(m, "count"):
                 val = {"count": m.count, "sum": getattr(m, "sum", None)}
             metrics[m.name + json.dumps(dict(sorted(m.labels.items())), sort_keys=True)] = val
-    res = {"engine_start_s": round(t_start, 2), "generate_s": round(t_gen, 3), "ids": ids, "streams": streams, "metrics": metrics,
+    res = {"engine_start_s": round(t_start, 2), "generate_s": round(t_gen, 3), "ids": ids, "streams": streams, "metrics": metrics, "fingerprint": fingerprint, "block_size": block,
            "outputs": {f"{family}-{k}": {"tokens": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params} for k, o in zip(ids, outs)}}
     (work / "engine.json").write_text(json.dumps(res))
 
@@ -226,7 +204,7 @@ def fed_chunks(dump: Path, rid: str) -> dict[int, list[tuple[int, bytes]]]:
     return {k: sorted(v) for k, v in got.items()}
 
 
-def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
+def check_family(family: str, work: Path, out: Path, chunk: int, prompts: dict | None) -> dict:
     import numpy as np
     import torch
 
@@ -239,7 +217,7 @@ def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
     port.bind(("127.0.0.1", 0))
     free = port.getsockname()[1]
     port.close()
-    (work / "spec.json").write_text(json.dumps({"hf": str(hf), "mlx": str(mlx), "port": free}))
+    (work / "spec.json").write_text(json.dumps({"hf": str(hf), "mlx": str(mlx), "port": free, "prompts": prompts}))
     env = dict(os.environ, PD_BRIDGE_VLLM="1", PD_BRIDGE_VLLM_DUMP_DIR=str(work / "dump"), PD_BRIDGE_GPU_GEMM="exact",
                VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_DEEP_GEMM_WARMUP="skip", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     t = time.monotonic()
@@ -256,8 +234,8 @@ def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
     w = pd_bridge_vllm.Weights.load(str(mlx))
     dump = work / "dump"
     steps, exact, tensor = {}, {}, {}
-    for k, (n, _) in PROMPTS.items():
-        rid = f"{family}-{k}"
+    for k, n in ((k, len(v)) for k, v in eng["ids"].items()):
+        rid, fmt, ids, bs = f"{family}-{k}", FORMATS[k], eng["ids"][k], eng["block_size"][k]
         fed = fed_chunks(dump, rid)
         # 1. every layer fed every row once, in order, over several steps
         tiled = sorted(fed) == list(range(w.num_layers))
@@ -270,33 +248,29 @@ def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
         steps[rid] = [(s, len(b) // (w.hidden_size * 2)) for s, b in fed.get(0, [])]
         ok[f"{rid}: every layer fed every prompt row once"] = bool(tiled)
         ok[f"{rid}: prefilled over several steps"] = len(steps[rid]) > 1
-        # 2. sealed complete exactly once
+        # 2. sealed complete exactly once, and the decode host's client wrote every block
         vf = dump / f"{rid}.verdict.json"
         verdicts = [json.loads(line) for line in vf.read_text().splitlines()] if vf.exists() else []
-        want = {"verdict": "complete", "blocks": n // BLOCK, "tokens": n // BLOCK * BLOCK}
-        ok[f"{rid}: sealed complete exactly once"] = verdicts == [want] and eng["streams"][rid]["seal"] == want
-        # 3. the engine's stream == the CPU reference from the same inputs
-        engine_frames = []
-        raw = (work / f"{rid}.pdbw").read_bytes()
-        at = 0
-        while at < len(raw):
-            _, _, _, _, _, ln = FRAME.unpack(raw[at : at + FRAME.size])
-            engine_frames.append((raw[at + 5], raw[at + FRAME.size : at + FRAME.size + ln]))
-            at += FRAME.size + ln
+        want = {"verdict": "complete", "blocks": n // bs, "tokens": n // bs * bs}
+        got = eng["streams"][k]
+        ok[f"{rid}: sealed complete exactly once"] = verdicts == [want] and got["seal"] == want
+        ok[f"{rid}: the decode host's client wrote every block ({fmt})"] = got["blocks"] == want["blocks"] == len(list((work / "blocks-engine" / k).rglob("*.safetensors")))
+        # 3. the engine's blocks == the CPU reference's from the same inputs
         srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN)
-        cpu = pd_bridge_vllm.Capture(w, rid, n, BLOCK, srv)
+        cpu = pd_bridge_vllm.Capture(w, rid, n, bs, srv, fmt)
         for layer in sorted(fed):
             for s, b in fed[layer]:
                 cpu.feed(layer, s, b)
         cpu.seal()
-        ref = record(srv.port, rid)
-        exact[rid] = {"segments": sum(kd == SEGMENT for kd, _ in ref), "byte_identical": ref == engine_frames}
-        if ref != engine_frames:
-            exact[rid]["values"] = ulp_compare(ref, engine_frames)
-        ok[f"{rid}: in-engine GPU capture (exact GEMM) == CPU reference, bit for bit"] = ref == engine_frames
+        pull(srv.port, rid, eng["fingerprint"], ids, fmt, bs, MODEL_NAME[family], work / "blocks-cpu" / k)
+        same = blocks_identical(work / "blocks-cpu" / k, work / "blocks-engine" / k)
+        exact[rid] = {"omlx_format": fmt, "block_size": bs, "blocks": want["blocks"], "identical": same}
+        if not same:
+            exact[rid]["values"] = ulp_compare(work / "blocks-cpu" / k, work / "blocks-engine" / k)
+        ok[f"{rid}: in-engine capture (exact GEMM) == CPU reference, every array bit for bit"] = same
         # 4. tensor cores: the same inputs as CUDA tensors through the GPU path, default GEMM
         srv2 = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN)
-        gpu = pd_bridge_vllm.Capture(w, rid, n, BLOCK, srv2)
+        gpu = pd_bridge_vllm.Capture(w, rid, n, bs, srv2, fmt)
         dev = torch.device("cuda", 0)
         keep = []
         for s, _ in fed[0]:  # the engine's chunking: chunk by chunk, every layer
@@ -308,10 +282,8 @@ def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
                 keep.append(x)
         gpu.seal()
         del keep
-        tensor[rid] = ulp_compare(ref, record(srv2.port, rid))
-        # bytes on the wire as the connector counts them
-        exact[rid]["wire_bytes"] = eng["streams"][rid]["wire_bytes"]
-        exact[rid]["bytes_per_token"] = round(eng["streams"][rid]["wire_bytes"] / (n // BLOCK * BLOCK), 1)
+        pull(srv2.port, rid, eng["fingerprint"], ids, fmt, bs, MODEL_NAME[family], work / "blocks-tc" / k)
+        tensor[rid] = {"omlx_format": fmt, **ulp_compare(work / "blocks-cpu" / k, work / "blocks-tc" / k)}
     res["steps_layer0"] = steps
     res["exact_gemm"] = exact
     res["tensor_cores"] = tensor
@@ -324,11 +296,12 @@ def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
                 return v
         return None
 
-    blocks = sum(n // BLOCK for n, _ in PROMPTS.values())
-    wire = sum(e["wire_bytes"] for e in exact.values())
+    blocks = sum(len(v) // eng["block_size"][k] for k, v in eng["ids"].items())
     ok["metrics: vllm:pd_bridge_captures{verdict=complete} == 2"] = metric("vllm:pd_bridge_captures", verdict="complete") == 2
     ok[f"metrics: vllm:pd_bridge_blocks == {blocks}"] = metric("vllm:pd_bridge_blocks") == blocks
-    ok[f"metrics: vllm:pd_bridge_bytes == {wire}"] = metric("vllm:pd_bridge_bytes") == wire
+    wire = metric("vllm:pd_bridge_bytes")
+    ok["metrics: vllm:pd_bridge_bytes > 0"] = bool(wire)
+    res["bytes_per_token"] = round(wire / sum(len(v) // eng["block_size"][k] * eng["block_size"][k] for k, v in eng["ids"].items()), 1) if wire else None
     ok["metrics: vllm:pd_bridge_aborts == 0"] = metric("vllm:pd_bridge_aborts") in (0, 0.0)
     lat = metric("vllm:pd_bridge_seal_latency_seconds")
     ok["metrics: seal latency histogram has 2 observations"] = isinstance(lat, dict) and lat.get("count") == 2
@@ -336,25 +309,15 @@ def check_family(family: str, work: Path, out: Path, chunk: int) -> dict:
     for line in logtext.splitlines():
         if "sealed:" in line and "after the step's forward" in line:
             res.setdefault("seal_log", []).append(line.split("pd-bridge: ", 1)[-1][:200])
-    # the streams of the first request (+ ids, decoder weights) for ingest on the decode side
-    rid = f"{family}-a"
-    (work / f"{rid}.ids.json").write_text(json.dumps(eng["ids"]["a"]))
-    # Files come back from the device in pieces of at most 16 MiB: split at frame boundaries
-    # (``<rid>.pdbw``, ``<rid>.2.pdbw`` ...; ingest_streams.py joins them in order).
-    raw, parts, at, start = (work / f"{rid}.pdbw").read_bytes(), [], 0, 0
-    while at < len(raw):
-        ln = FRAME.size + FRAME.unpack(raw[at : at + FRAME.size])[5]
-        if at + ln - start > 15 << 20 and at > start:
-            parts.append(raw[start:at])
-            start = at
-        at += ln
-    parts.append(raw[start:])
-    for i, part in enumerate(parts):
-        (out / (f"{rid}.pdbw" if i == 0 else f"{rid}.{i + 1}.pdbw")).write_bytes(part)
+    # Request a's upstream blocks, its ids, the decoder weights and (MLA) the checkpoint, for
+    # decode_check.py: a real upstream oMLX serves them there.
+    shutil.copytree(work / "blocks-engine" / "a", out / f"{family}-a", dirs_exist_ok=True)
+    (work / f"{family}-a.ids.json").write_text(json.dumps(eng["ids"]["a"]))
     with tarfile.open(out / f"{family}-model.tar", "w") as tf:
-        tf.add(work / f"{rid}.ids.json", arcname=f"{rid}.ids.json")
+        tf.add(work / f"{family}-a.ids.json", arcname=f"{family}-a.ids.json")
         tf.add(mlx, arcname=f"{family}-mlx")
-    res["stream_files"] = len(parts)
+        if family == "mla":
+            tf.add(hf, arcname=f"{family}-hf")
     return res
 
 
@@ -363,6 +326,7 @@ def main() -> int:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--family", default="mla,v4")
     ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--prompts", help="decode_check.py prompts' file: {a: {ids}, b: {ids}} (default: random ids)")
     ap.add_argument("--engine", nargs=2, metavar=("FAMILY", "WORK"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.engine:
@@ -372,11 +336,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     import tempfile
 
+    prompts = {k: v["ids"] for k, v in json.loads(Path(a.prompts).read_text()).items()} if a.prompts else None
     results, rc = [], 0
     for family in a.family.split(","):
         work = Path(tempfile.mkdtemp(prefix=f"pdb-gpu-{family}-"))
         try:
-            r = check_family(family, work, out, a.chunk)
+            r = check_family(family, work, out, a.chunk, prompts)
         except Exception as e:  # report, go on with the next family
             import traceback
 

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Benchmark on the H200: vLLM's prefill with the capture on and off, DeepSeek-V4-Flash's attention.
+
+    python3 tests/gpu/bench_vllm_flash.py OUT [--lengths 8192,32768,131072] [--reps 2] [--chunk 8192]
+
+A random DeepSeek-V4 with Flash's attention shapes (``tiny_v4_fp8.FLASH_ATTENTION``: 43 layers,
+hidden 4096, 64 heads of 512, index head 128, Flash's compress ratios; FP8 block weights) and a
+MoE small enough to fit, made on the GPU. ONE vLLM 0.26.0 engine (its own process, the pd-bridge
+plugin and connector loaded, prefix caching off, ``max_num_batched_tokens`` = ``--chunk``) serves
+every run, so "on" and "off" differ only in whether the request carries ``pd_capture``: at each
+length, ``--reps`` times, off then on, one prompt at a time, 1 token generated. An "on" run is
+pulled by the decode host's own client (``pd_bridge_omlx.ingest``) into block files on local disk,
+as a Mac would. Printed per run and summarised in ``OUT/bench.json``:
+
+- prefill tokens/s (prompt tokens / wall time of the request) and on/off at each length;
+- seal latency: the connector's histogram (``vllm:pd_bridge_seal_latency_seconds``), per run;
+- host RSS of the engine process and GPU memory in use after each run (flat in prompt length
+  is the target: the capture holds one block per layer, not the prompt);
+- bytes per token shipped (``vllm:pd_bridge_bytes`` per captured token).
+
+The capture uses the fork's block format (``fork-0.7.0``) unless ``--omlx-format`` says otherwise:
+that is the format the GPU kernels pool; the upstream format's pooling runs on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+TOKEN = b"bench-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_rss_bytes() -> int:
+    """RSS of this process and its children (vLLM's engine core runs in a child)."""
+    import psutil
+
+    me = psutil.Process()
+    return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)] if p.is_running())
+
+
+def gpu_used_bytes() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+
+
+def metric(llm, name: str):
+    for m in llm.get_metrics():
+        if m.name == name:
+            return getattr(m, "value", None) if not hasattr(m, "count") else (m.count, getattr(m, "sum", 0.0))
+    return None
+
+
+def engine(a) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    import pd_bridge_omlx
+
+    spec = json.loads((Path(a.work) / "spec.json").read_text())
+    top = max(a.lengths)
+    t0 = time.monotonic()
+    llm = LLM(
+        model=spec["hf"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+        kv_cache_dtype="fp8", max_model_len=top + 1024, max_num_batched_tokens=a.chunk, max_num_seqs=2,
+        gpu_memory_utilization=0.85, seed=0, disable_log_stats=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PdBridgeConnector", kv_connector_module_path="pd_bridge_vllm.connector", kv_role="kv_producer",
+            kv_connector_extra_config={"weights": spec["mlx"], "port": spec["port"], "token": TOKEN.decode(), "address": "127.0.0.1"},
+        ),
+    )
+    start_s = time.monotonic() - t0
+    decoder = pd_bridge_omlx.Weights.load(spec["mlx"])
+    block = pd_bridge_omlx.expected_block_size(decoder, a.omlx_format)
+    rng = random.Random(0)
+    runs, out = [], Path(a.out)
+
+    def one(n: int, capture: bool, tag: str) -> dict:
+        ids = [rng.randrange(2, 1000) for _ in range(n)]
+        rid = f"bench-{tag}-{n}"
+        params = {"pd_capture": {"request_id": rid, "block_size": block, "omlx_format": a.omlx_format}} if capture else {}
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"kv_transfer_params": params} if params else None)
+        pulled: dict = {}
+        puller = None
+        if capture:
+            dest = Path(a.work) / "blocks" / rid
+
+            def pull():
+                try:
+                    w = pd_bridge_omlx.BlockWriter(str(dest), "bench", block, ids, a.omlx_format)
+                    n_blocks, seal = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN, rid, decoder.fingerprint, w, timeout_seconds=600.0)
+                    w.flush()
+                    pulled.update(blocks=n_blocks, seal=json.loads(seal), t_end=time.monotonic())
+                except Exception as e:  # reported in the run's figures
+                    pulled.update(error=f"{type(e).__name__}: {e}")
+
+            puller = threading.Thread(target=pull, daemon=True)
+            puller.start()
+        b0, l0 = metric(llm, "vllm:pd_bridge_bytes") or 0, metric(llm, "vllm:pd_bridge_seal_latency_seconds") or (0, 0.0)
+        t = time.monotonic()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        wall = time.monotonic() - t
+        if puller is not None:
+            puller.join(600)
+        # one uncaptured step carries the seal's stats to the frontend's loggers
+        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        b1, l1 = metric(llm, "vllm:pd_bridge_bytes") or 0, metric(llm, "vllm:pd_bridge_seal_latency_seconds") or (0, 0.0)
+        r = {"tokens": n, "capture": capture, "wall_s": round(wall, 3), "tok_per_s": round(n / wall), "rss_gib": round(engine_rss_bytes() / 2**30, 2),
+             "gpu_used_gib": round(gpu_used_bytes() / 2**30, 2)}
+        if capture:
+            r.update(pulled=pulled.get("blocks"), seal=pulled.get("seal"), error=pulled.get("error"), bytes=b1 - b0,
+                     bytes_per_token=round((b1 - b0) / n, 1), seal_latency_ms=round(1000 * (l1[1] - l0[1]) / max(1, l1[0] - l0[0]), 2),
+                     blocks_on_disk_gib=round(sum(f.stat().st_size for f in dest.rglob("*.safetensors")) / 2**30, 3))
+            import shutil
+
+            shutil.rmtree(dest, ignore_errors=True)  # the Mac's disk, not the GPU host's
+        print(json.dumps(r), flush=True)
+        return r
+
+    one(min(a.lengths), False, "warm")  # first-use kernel compiles, both paths
+    one(min(a.lengths), True, "warm")
+    for n in a.lengths:
+        for rep in range(a.reps):
+            runs.append(one(n, False, f"off{rep}"))
+            runs.append(one(n, True, f"on{rep}"))
+    summary = {}
+    for n in a.lengths:
+        off = [r["tok_per_s"] for r in runs if r["tokens"] == n and not r["capture"]]
+        on = [r["tok_per_s"] for r in runs if r["tokens"] == n and r["capture"]]
+        summary[n] = {"off_tok_s": max(off), "on_tok_s": max(on), "on_off": round(max(on) / max(off), 3),
+                      "on_off_median": round(sorted(on)[len(on) // 2] / sorted(off)[len(off) // 2], 3)}
+    (out / "bench.json").write_text(json.dumps({"engine_start_s": round(start_s, 1), "chunk": a.chunk, "omlx_format": a.omlx_format,
+                                                "block_size": block, "runs": runs, "summary": summary}, indent=1))
+    print(json.dumps(summary, indent=1), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--lengths", default="8192,32768,131072")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--omlx-format", default="fork-0.7.0")
+    ap.add_argument("--engine", metavar="WORK", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.lengths = [int(x) for x in str(a.lengths).split(",")]
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.engine:
+        a.work = a.engine
+        engine(a)
+        return 0
+    import tempfile
+
+    import tiny_v4_fp8
+
+    work = Path(tempfile.mkdtemp(prefix="pdb-flash-"))
+    t = time.monotonic()
+    hf, mlx = tiny_v4_fp8.build(work / "model", overrides=tiny_v4_fp8.FLASH_ATTENTION, device="cuda")
+    print(f"Flash-shaped checkpoint made in {time.monotonic() - t:.1f}s: {sum(f.stat().st_size for f in hf.iterdir()) / 2**30:.2f} GiB", flush=True)
+    import torch
+
+    torch.cuda.empty_cache()
+    (work / "spec.json").write_text(json.dumps({"hf": str(hf), "mlx": str(mlx), "port": free_port()}))
+    env = dict(os.environ, PD_BRIDGE_VLLM="1", VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_DEEP_GEMM_WARMUP="skip", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, __file__, a.out, "--engine", str(work), "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps),
+           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format]
+    with open(Path(a.out) / "bench-engine.log", "w") as log:
+        p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=int(os.environ.get("PD_BRIDGE_GPU_ENGINE_TIMEOUT", "540")))
+    text = (Path(a.out) / "bench-engine.log").read_text(errors="replace")
+    print("\n".join(line for line in text.splitlines() if line.startswith("{") or line.startswith(" ") or line.startswith("}")))
+    if p.returncode != 0:
+        print(text[-4000:])
+    return p.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
