@@ -28,6 +28,11 @@ pub enum CoreError {
     #[error("wire: {0}")]
     Wire(String),
 
+    /// A segment that does not fit the decoder's plan or the block grid, refused before anything
+    /// is written: the block it claims, the layer and array (where one is at fault), and why.
+    #[error("segment for block {block}{at}: {reason}", at = segment_at(*.layer, .array.as_deref()))]
+    Segment { block: u64, layer: Option<usize>, array: Option<String>, reason: String },
+
     /// A peer that does not hold the shared token.
     #[error("auth: {0}")]
     Auth(String),
@@ -37,6 +42,15 @@ pub enum CoreError {
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;
+
+fn segment_at(layer: Option<usize>, array: Option<&str>) -> String {
+    match (layer, array) {
+        (Some(l), Some(a)) => format!(", layer {l} array {a}"),
+        (Some(l), None) => format!(", layer {l}"),
+        (None, Some(a)) => format!(", {a}"),
+        (None, None) => String::new(),
+    }
+}
 
 impl CoreError {
     pub(crate) fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
@@ -50,6 +64,9 @@ impl CoreError {
     }
     pub(crate) fn wire(reason: impl Into<String>) -> Self {
         CoreError::Wire(reason.into())
+    }
+    pub(crate) fn segment(block: u64, layer: Option<usize>, array: Option<&str>, reason: impl Into<String>) -> Self {
+        CoreError::Segment { block, layer, array: array.map(str::to_string), reason: reason.into() }
     }
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         CoreError::Io { path: path.into(), source }
