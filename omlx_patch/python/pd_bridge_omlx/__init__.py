@@ -20,9 +20,11 @@ from ._native import (  # noqa: F401
     PdBridgeError,
     Weights,
     WeightsError,
+    expected_block_size,
     export_weights,
     ingest,
     inspect_block,
+    omlx_formats,
 )
 
 __version__ = VERSION
