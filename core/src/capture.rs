@@ -123,6 +123,39 @@ impl Capture {
         self.blocks
     }
 
+    /// A capture that starts at block boundary `S = carry.position` from the decoder's carry
+    /// state there (the decode host read it from the block it holds): it emits segments for the
+    /// blocks from `S` on, numbered in the request's chain, and its seal counts every block up to
+    /// where it ended (the resumed prefix included). Rows fed from before `S` are ignored, so the
+    /// prefill engine may recompute from wherever its own prefix cache ends; rows from `S` on
+    /// must all be fed. Refused, naming what disagrees, unless the carry state was made from
+    /// these weights, for this format and block size, and `S` is within the prompt's full blocks.
+    pub fn resume(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize, carry: &crate::carry::CarryState) -> Result<Self> {
+        carry.check_for(&weights.fingerprint, format, block_size, &weights.plan)?;
+        let full = prompt_tokens / block_size * block_size;
+        if carry.position > full {
+            return Err(CoreError::Carry {
+                what: crate::carry::CarryField::Position,
+                reason: format!("resume point {} is past the prompt's last full block (it ends at {full})", carry.position),
+            });
+        }
+        let mut cap = Self::with_format(format, weights.clone(), request_id, prompt_tokens, block_size)?;
+        cap.builder = CacheBuilder::resume(weights, carry)?;
+        cap.emitted = carry.position / block_size;
+        tracing::debug!(request = %request_id, resumed_at = carry.position, blocks = cap.blocks, "capture resumed from a carry state");
+        Ok(cap)
+    }
+
+    /// The block boundary this capture resumed at (0 for a capture from the first token).
+    pub fn resumed_at(&self) -> usize {
+        self.builder.origin()
+    }
+
+    /// Every layer's cache state on the CPU path (what a GPU capture pools lives on the device).
+    pub fn layer_states(&self) -> &[LayerState] {
+        self.builder.layers()
+    }
+
     /// Fold `x` (`[rows, hidden]`, tokens from `start`) into `layer`. Tokens past the last full
     /// block are not needed by the decoder and are skipped.
     pub fn feed(&mut self, layer: usize, start: usize, x: &[bf16]) -> Result<()> {
@@ -135,7 +168,9 @@ impl Capture {
         }
         let end = start + x.len() / hidden;
         let limit = self.blocks * self.block_size;
-        let mut cursor = start;
+        // A resumed capture holds every row before its resume point already (the carry state):
+        // rows the prefill engine recomputes there are skipped.
+        let mut cursor = start.max(self.builder.origin());
         while cursor < end.min(limit) {
             let boundary = (cursor / self.block_size + 1) * self.block_size;
             let stop = end.min(boundary);

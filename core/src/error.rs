@@ -39,6 +39,12 @@ pub enum CoreError {
 
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+
+    /// A carry state (resuming a capture at a block boundary) that is malformed or does not fit
+    /// the capture: `what` names the part that disagrees (weights, format, block size, position,
+    /// layers) or the block file it could not be read from.
+    #[error("carry state, {what}: {reason}")]
+    Carry { what: crate::carry::CarryField, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;

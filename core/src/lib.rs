@@ -8,6 +8,7 @@
 pub mod assembler;
 pub mod block;
 pub mod capture;
+pub mod carry;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;

@@ -24,7 +24,7 @@ fn to_py(e: CoreError) -> PyErr {
         CoreError::Config { .. } => ConfigError::new_err(msg),
         CoreError::Weights { .. } | CoreError::WeightFile { .. } => WeightsError::new_err(msg),
         CoreError::Input { .. } | CoreError::Segment { .. } => InputError::new_err(msg),
-        CoreError::Wire(_) | CoreError::Auth(_) => PdBridgeError::new_err(msg),
+        CoreError::Wire(_) | CoreError::Auth(_) | CoreError::Carry { .. } => PdBridgeError::new_err(msg),
         CoreError::Io { .. } => PyOSError::new_err(msg),
     }
 }

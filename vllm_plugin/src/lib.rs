@@ -22,7 +22,7 @@ fn to_py(e: CoreError) -> PyErr {
     match e {
         CoreError::Config { .. } => ConfigError::new_err(msg),
         CoreError::Weights { .. } | CoreError::WeightFile { .. } => WeightsError::new_err(msg),
-        CoreError::Input { .. } | CoreError::Segment { .. } | CoreError::Wire(_) | CoreError::Auth(_) => PdBridgeError::new_err(msg),
+        CoreError::Input { .. } | CoreError::Segment { .. } | CoreError::Wire(_) | CoreError::Auth(_) | CoreError::Carry { .. } => PdBridgeError::new_err(msg),
         CoreError::Io { .. } => PyOSError::new_err(msg),
     }
 }

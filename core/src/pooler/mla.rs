@@ -49,6 +49,15 @@ impl MlaLayerState {
         }
     }
 
+    /// The state after `position` tokens of a resumed request: nothing crosses a block boundary
+    /// (each token's latent depends on that token alone), so it holds no rows yet.
+    pub(super) fn resume(plan: &MlaPlan, position: usize) -> Self {
+        let mut s = Self::new(plan);
+        s.processed = position;
+        s.base = position;
+        s
+    }
+
     pub fn processed(&self) -> usize {
         self.processed
     }

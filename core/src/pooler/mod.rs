@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
+use crate::carry::{CarryState, LayerCarry};
 use crate::error::{CoreError, Result};
 pub use crate::format::{Overlap, PoolSum, WindowRows};
 use crate::format::OmlxFormat;
@@ -95,7 +96,8 @@ pub enum LayerState {
 }
 
 impl LayerState {
-    fn processed(&self) -> usize {
+    /// Tokens folded into the state.
+    pub fn processed(&self) -> usize {
         match self {
             LayerState::V4(s) => s.processed(),
             LayerState::Mla(s) => s.processed(),
@@ -115,6 +117,9 @@ impl LayerState {
 pub struct CacheBuilder {
     weights: Arc<DecoderWeights>,
     layers: Vec<LayerState>,
+    /// The block boundary the state was resumed at (0: built from the first token). Rows before
+    /// it are part of the carry state and are ignored when fed again.
+    origin: usize,
 }
 
 impl CacheBuilder {
@@ -129,7 +134,34 @@ impl CacheBuilder {
                 _ => unreachable!("weights are loaded per plan family"),
             })
             .collect();
-        CacheBuilder { weights, layers }
+        CacheBuilder { weights, layers, origin: 0 }
+    }
+
+    /// The state after `carry.position` tokens, rebuilt from the decoder's carry state at that
+    /// block boundary: the grid and overlap semantics are the carry state's format and block
+    /// size. Refused (naming what) unless the carry state was made from these weights and fits
+    /// their plan.
+    pub fn resume(weights: Arc<DecoderWeights>, carry: &CarryState) -> Result<Self> {
+        carry.check_for(&weights.fingerprint, carry.format, carry.block_size, &weights.plan)?;
+        let steps = DecoderSteps::for_format(carry.format, carry.block_size)?;
+        let s = carry.position;
+        let layers = weights
+            .layers
+            .iter()
+            .zip(&carry.layers)
+            .enumerate()
+            .map(|(i, (lw, c))| match (lw, &weights.plan, c) {
+                (LayerWeights::V4(_), crate::plan::ModelPlan::DeepseekV4(p), LayerCarry::V4(c)) => LayerState::V4(V4LayerState::resume(p, i, steps, c, s)),
+                (LayerWeights::Mla(_), crate::plan::ModelPlan::Mla(p), LayerCarry::Kv) => LayerState::Mla(MlaLayerState::resume(p, s)),
+                _ => unreachable!("CarryState::check_for matched the layers to the plan"),
+            })
+            .collect();
+        Ok(CacheBuilder { weights, layers, origin: s })
+    }
+
+    /// Where a resumed state starts (0 for one built from the first token).
+    pub fn origin(&self) -> usize {
+        self.origin
     }
 
     pub fn num_layers(&self) -> usize {
@@ -143,17 +175,33 @@ impl CacheBuilder {
 
     /// Fold `rows` tokens of `layer`'s attention input (`[rows, hidden]` bf16, row-major), the
     /// first at absolute position `start`, into that layer's state. Chunks of a layer must be
-    /// contiguous: `start` equals the tokens already processed.
+    /// contiguous: `start` equals the tokens already processed. A resumed state ignores the rows
+    /// before its [`Self::origin`] (the prefill engine may recompute from further back).
     pub fn feed(&mut self, layer: usize, start: usize, x: &[bf16]) -> Result<()> {
         let hidden = self.weights.plan.hidden_size();
         let n = self.layers.len();
+        let origin = self.origin;
         let state = self.layers.get_mut(layer).ok_or_else(|| CoreError::input(layer, format!("the model has {n} layers")))?;
         if x.is_empty() || x.len() % hidden != 0 {
             return Err(CoreError::input(layer, format!("{} values is not a positive whole number of rows of width {hidden}", x.len())));
         }
+        let (start, x) = if start < origin {
+            let skip = (origin - start).min(x.len() / hidden);
+            if skip * hidden == x.len() {
+                return Ok(());
+            }
+            (origin, &x[skip * hidden..])
+        } else {
+            (start, x)
+        };
         let processed = state.processed();
         if start != processed {
-            return Err(CoreError::input(layer, format!("chunk starts at token {start} but {processed} tokens are processed")));
+            let why = if processed == origin && origin > 0 {
+                format!("chunk starts at token {start} but the state resumed at {origin}: rows [{origin}, {start}) were never fed (a resumed capture needs every row from its resume point on)")
+            } else {
+                format!("chunk starts at token {start} but {processed} tokens are processed")
+            };
+            return Err(CoreError::input(layer, why));
         }
         let rows = x.len() / hidden;
         match (state, &self.weights.layers[layer]) {

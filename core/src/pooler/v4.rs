@@ -4,6 +4,7 @@
 use half::bf16;
 
 use super::{ArrayView, DecoderSteps, PoolSum, StateArray, WindowRows};
+use crate::carry::{PoolCarry, V4Carry};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
 use crate::weights::{CompressorWeights, V4LayerWeights};
@@ -207,6 +208,17 @@ impl Compressor {
             .collect()
     }
 
+    /// Continue after `position` tokens from a carry state: its remainder rows, its previous
+    /// window (which ended at the last window boundary before `position`), and the count of pooled
+    /// rows before it, which the decoder holds already (the next drain starts after them).
+    fn restore(&mut self, c: &PoolCarry, position: usize) {
+        self.buf_kv = c.buf_kv.clone();
+        self.buf_gate = c.buf_gate.clone();
+        self.prev = c.prev.as_ref().map(|[k, g]| (k.clone(), g.clone(), position / self.ratio * self.ratio));
+        self.pooled.clear();
+        self.drained = c.pooled_rows;
+    }
+
     /// Hand out the pooled rows produced since the last drain: `(index of the first, rows)`.
     fn drain(&mut self) -> (usize, Vec<bf16>) {
         let start = self.drained;
@@ -294,6 +306,20 @@ impl V4LayerState {
             compressor: (kind != V4LayerKind::Window).then(|| Compressor::new(ratio, plan.head_dim, plan.rms_norm_eps, pool_rope(), steps)),
             indexer: (kind == V4LayerKind::Sparse).then(|| Compressor::new(ratio, plan.index_head_dim, plan.rms_norm_eps, pool_rope(), steps)),
         }
+    }
+
+    /// The state after `position` tokens (a block boundary) from the decoder's carry state there,
+    /// which [`crate::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
+    /// previous window is carried: its overlap restarts at every forward call, and one starts at
+    /// each block boundary.
+    pub(super) fn resume(plan: &V4Plan, layer: usize, steps: DecoderSteps, carry: &V4Carry, position: usize) -> Self {
+        let mut s = Self::new(plan, layer, steps);
+        s.processed = position;
+        s.window.rows = carry.window.clone();
+        for (c, p) in s.compressor.iter_mut().chain(s.indexer.iter_mut()).zip(&carry.pools) {
+            c.restore(p, position);
+        }
+        s
     }
 
     pub fn processed(&self) -> usize {

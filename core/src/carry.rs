@@ -1,0 +1,646 @@
+//! The carry state: everything the decoder's cache math needs to continue a request from a block
+//! boundary `S` instead of from token 0 (issue 13, multi-turn).
+//!
+//! Per DeepSeek-V4 layer that is the rotating window's rows (the decoder's own rows: the last
+//! `sliding_window`, or the fork's raw rotating buffer of a compressed layer), and per compressor
+//! its remainder rows (`buf_kv`, `buf_gate`), the previous ratio-4 window where the decoder carries
+//! it (upstream) and how many pooled rows exist before `S` (so later pool deltas start at the
+//! right row). Pooled rows themselves are not carried: the decoder already holds them and every
+//! later pooled row depends only on rows from `S` on, the remainder and the previous window. MLA
+//! carries nothing beyond the position: a token's latent depends on that token alone.
+//!
+//! The decode host holds the block ending at `S` and is the source of truth: it extracts the
+//! carry state from that block file ([`CarryState::from_block_file`]) and sends it to the prefill
+//! host, which resumes its capture from it ([`crate::capture::Capture::resume`]). The state names
+//! the weights fingerprint, the oMLX block format, the block size, `S` and the block's chain hash;
+//! a capture refuses a carry state that disagrees with any of them ([`CarryField`] says which).
+//!
+//! Bytes ([`CarryState::encode`]): `"PDCS" | version u32 LE | header length u32 LE | header JSON |
+//! arrays as LE bf16 in header order | crc32 u32 LE of everything before it`.
+
+use std::fs::File;
+use std::path::Path;
+
+use half::bf16;
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::block::chain::ChainHash;
+use crate::block::layout::LayerView;
+use crate::block::validate::{inspect, Expect};
+use crate::error::{CoreError, Result};
+use crate::format::{OmlxFormat, Overlap, PoolLayout, WindowRows};
+use crate::plan::{ModelPlan, V4LayerKind};
+use crate::pooler::LayerState;
+
+/// Version of the carry-state bytes this build writes and reads.
+pub const CARRY_VERSION: u32 = 1;
+const MAGIC: &[u8; 4] = b"PDCS";
+
+/// What a carry state disagrees on (or why it cannot be read), for [`CoreError::Carry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CarryField {
+    /// The bytes: magic, version, checksum, header, array lengths.
+    Framing,
+    /// Made from other decoder weights.
+    Fingerprint,
+    /// Made for another oMLX block format.
+    Format,
+    /// Made for another block size.
+    BlockSize,
+    /// Not at the position it claims, off the block grid, or past the prompt.
+    Position,
+    /// Layers that do not fit the model: count, kinds, ratios, widths.
+    Plan,
+    /// The block file it is read from is invalid or not what it should be.
+    Block,
+}
+
+impl std::fmt::Display for CarryField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CarryField::Framing => "framing",
+            CarryField::Fingerprint => "weights fingerprint",
+            CarryField::Format => "oMLX block format",
+            CarryField::BlockSize => "block size",
+            CarryField::Position => "position",
+            CarryField::Plan => "model plan",
+            CarryField::Block => "block file",
+        })
+    }
+}
+
+fn err(what: CarryField, reason: impl Into<String>) -> CoreError {
+    CoreError::Carry { what, reason: reason.into() }
+}
+
+/// One compressor's carry (the layer's pool, or the indexer's).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolCarry {
+    /// Width of a raw row (`2·head_dim` for ratio 4, `head_dim` for ratio 128).
+    pub width: usize,
+    /// Pooled rows before `S` (`S / ratio`): where the next delta starts.
+    pub pooled_rows: usize,
+    /// Raw rows of the incomplete window, `[S % ratio, width]` each.
+    pub buf_kv: Vec<bf16>,
+    pub buf_gate: Vec<bf16>,
+    /// The previous complete ratio-4 window `[kv, gate]` (`[ratio, width]` each) where the
+    /// decoder carries it across forward calls (upstream); None otherwise.
+    pub prev: Option<[Vec<bf16>; 2]>,
+}
+
+/// One DeepSeek-V4 layer's carry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct V4Carry {
+    pub sliding_window: usize,
+    /// 0 for a window-only layer (then `pools` is empty).
+    pub ratio: usize,
+    pub head_dim: usize,
+    /// The window rows the block holds, `[rows, head_dim]`, oldest first.
+    pub window: Vec<bf16>,
+    /// Compressor, then indexer.
+    pub pools: Vec<PoolCarry>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayerCarry {
+    V4(V4Carry),
+    /// A plain KV layer (MLA): each block holds its own slice, nothing crosses the boundary.
+    Kv,
+}
+
+/// The decoder's carry state at block boundary `position` for every layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CarryState {
+    pub format: OmlxFormat,
+    pub fingerprint: String,
+    pub block_size: usize,
+    /// `S`: tokens before the boundary (a positive multiple of `block_size`).
+    pub position: usize,
+    /// Key of the block ending at `S` (the prefix's chain hash), when known.
+    pub chain_hash: Option<ChainHash>,
+    pub layers: Vec<LayerCarry>,
+}
+
+/// What a layer's carry must look like at a position (from the plan and the format).
+#[derive(Debug, PartialEq)]
+enum Expected {
+    V4 { sliding_window: usize, ratio: usize, head_dim: usize, window_rows: usize, pools: Vec<ExpectedPool> },
+    Kv,
+}
+
+#[derive(Debug, PartialEq)]
+struct ExpectedPool {
+    width: usize,
+    rem: usize,
+    pooled_rows: usize,
+    prev: bool,
+}
+
+fn expected(plan: &ModelPlan, format: OmlxFormat, block_size: usize, position: usize) -> Vec<Expected> {
+    match plan {
+        ModelPlan::Mla(p) => (0..p.num_layers).map(|_| Expected::Kv).collect(),
+        ModelPlan::DeepseekV4(p) => (0..p.num_layers)
+            .map(|i| {
+                let ratio = p.compress_ratios[i];
+                let kind = p.layer_kind(i);
+                let size = p.sliding_window;
+                // The fork stores a compressed layer's raw rotating buffer: at a boundary of its
+                // block-sized forward calls, `size - 1` rows plus the whole last call.
+                let window_rows = if kind != V4LayerKind::Window && format.window_rows() == WindowRows::Raw { position.min(size - 1 + block_size) } else { position.min(size) };
+                let pool = |head: usize| ExpectedPool {
+                    width: if ratio == 4 { 2 * head } else { head },
+                    rem: position % ratio,
+                    pooled_rows: position / ratio,
+                    prev: ratio == 4 && format.overlap() == Overlap::Carried && position >= ratio,
+                };
+                let pools = match kind {
+                    V4LayerKind::Window => vec![],
+                    V4LayerKind::Compressed => vec![pool(p.head_dim)],
+                    V4LayerKind::Sparse => vec![pool(p.head_dim), pool(p.index_head_dim)],
+                };
+                Expected::V4 { sliding_window: size, ratio, head_dim: p.head_dim, window_rows, pools }
+            })
+            .collect(),
+    }
+}
+
+impl CarryState {
+    /// The carry state of pooler layers that have all processed exactly `S` tokens (a block
+    /// boundary): what the block ending at `S` holds, as [`LayerView::of`] sees it.
+    pub fn from_layers(format: OmlxFormat, fingerprint: &str, block_size: usize, chain_hash: Option<ChainHash>, layers: &[LayerState]) -> Result<CarryState> {
+        let position = layers.first().map_or(0, LayerState::processed);
+        if let Some((i, l)) = layers.iter().enumerate().find(|(_, l)| l.processed() != position) {
+            return Err(CoreError::input(i, format!("has processed {} tokens, layer 0 {position}", l.processed())));
+        }
+        let start = position.saturating_sub(block_size);
+        let views: Vec<LayerView<'_>> = layers.iter().map(|l| LayerView::of(l, start, position)).collect();
+        Ok(Self::from_views(format, fingerprint, block_size, position, chain_hash, &views))
+    }
+
+    /// The carry state of a block's per-layer views (a block at its end boundary `position`).
+    /// Nothing is checked here; [`Self::check`] does it.
+    pub fn from_views(format: OmlxFormat, fingerprint: &str, block_size: usize, position: usize, chain_hash: Option<ChainHash>, views: &[LayerView<'_>]) -> CarryState {
+        let layers = views
+            .iter()
+            .map(|v| match v {
+                LayerView::V4(v) => LayerCarry::V4(V4Carry {
+                    sliding_window: v.sliding_window,
+                    ratio: v.ratio,
+                    head_dim: v.window.width,
+                    window: v.window.data.to_vec(),
+                    pools: v
+                        .pools
+                        .iter()
+                        .enumerate()
+                        .map(|(j, [kv, gate, pooled])| PoolCarry {
+                            width: kv.width,
+                            pooled_rows: v.pool_first.get(j).copied().unwrap_or(0) + pooled.rows,
+                            buf_kv: kv.data.to_vec(),
+                            buf_gate: gate.data.to_vec(),
+                            prev: v.prev.get(j).copied().flatten().map(|[k, g]| [k.data.to_vec(), g.data.to_vec()]),
+                        })
+                        .collect(),
+                }),
+                LayerView::Kv(..) => LayerCarry::Kv,
+            })
+            .collect();
+        CarryState { format, fingerprint: fingerprint.into(), block_size, position, chain_hash, layers }
+    }
+
+    /// Read the carry state out of the oMLX block file that ends at token `position`, for the
+    /// decoder whose `plan` and `fingerprint` are given (the decode host's own weights). The file
+    /// is validated as oMLX would load it first; every array is checked against the plan, the
+    /// format and the position (a block's window offset and pool row range say where it ends).
+    pub fn from_block_file(path: &Path, plan: &ModelPlan, fingerprint: &str, format: OmlxFormat, block_size: usize, position: usize) -> Result<CarryState> {
+        let expect = Expect { format, model_name: None, num_layers: Some(plan.num_layers()), block_size: Some(block_size) };
+        let info = inspect(path, &expect).map_err(|why| err(CarryField::Block, format!("{}: {why}", path.display())))?;
+        let file = File::open(path).map_err(|e| CoreError::io(path, e))?;
+        // SAFETY: blocks are immutable once named (writers rename complete files into place).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| CoreError::io(path, e))?;
+        let block = BlockFile::parse(&map).map_err(|why| err(CarryField::Block, format!("{}: {why}", path.display())))?;
+        let layers = expected(plan, format, block_size, position)
+            .iter()
+            .enumerate()
+            .map(|(i, e)| block.layer(i, e, format, block_size, position))
+            .collect::<std::result::Result<Vec<_>, CoreError>>()?;
+        let carry = CarryState { format, fingerprint: fingerprint.into(), block_size, position, chain_hash: Some(info.hash), layers };
+        carry.check(plan)?;
+        Ok(carry)
+    }
+
+    /// Refuse the carry state unless it was made for these weights, this format and block size,
+    /// and fits `plan` at its position.
+    pub fn check_for(&self, fingerprint: &str, format: OmlxFormat, block_size: usize, plan: &ModelPlan) -> Result<()> {
+        if self.fingerprint != fingerprint {
+            return Err(err(CarryField::Fingerprint, format!("made from weights {}, this capture's are {fingerprint}", self.fingerprint)));
+        }
+        if self.format != format {
+            return Err(err(CarryField::Format, format!("made for oMLX block format {:?}, this capture is for {:?}", self.format.name(), format.name())));
+        }
+        if self.block_size != block_size {
+            return Err(err(CarryField::BlockSize, format!("made for {}-token blocks, this capture's are {block_size}", self.block_size)));
+        }
+        self.check(plan)
+    }
+
+    /// The carry state is whole and fits `plan` at its own position, format and block size.
+    pub fn check(&self, plan: &ModelPlan) -> Result<()> {
+        let (s, b) = (self.position, self.block_size);
+        if b == 0 || s == 0 || s % b != 0 {
+            return Err(err(CarryField::Position, format!("position {s} is not a positive multiple of the block size {b}")));
+        }
+        if self.layers.len() != plan.num_layers() {
+            return Err(err(CarryField::Plan, format!("{} layers, the model has {}", self.layers.len(), plan.num_layers())));
+        }
+        for (i, (got, want)) in self.layers.iter().zip(expected(plan, self.format, b, s)).enumerate() {
+            match (got, want) {
+                (LayerCarry::Kv, Expected::Kv) => {}
+                (LayerCarry::V4(c), Expected::V4 { sliding_window, ratio, head_dim, window_rows, pools }) => {
+                    if (c.sliding_window, c.ratio, c.head_dim, c.pools.len()) != (sliding_window, ratio, head_dim, pools.len()) {
+                        return Err(err(
+                            CarryField::Plan,
+                            format!(
+                                "layer {i}: window {} ratio {} head_dim {} with {} pools, the model's is window {sliding_window} ratio {ratio} head_dim {head_dim} with {}",
+                                c.sliding_window,
+                                c.ratio,
+                                c.head_dim,
+                                c.pools.len(),
+                                pools.len()
+                            ),
+                        ));
+                    }
+                    if c.window.len() != window_rows * head_dim {
+                        return Err(err(CarryField::Position, format!("layer {i}: window of {} values; at token {s} it holds {window_rows} rows of {head_dim}", c.window.len())));
+                    }
+                    for (j, (p, e)) in c.pools.iter().zip(pools).enumerate() {
+                        if p.width != e.width {
+                            return Err(err(CarryField::Plan, format!("layer {i} pool {j}: rows of width {}, the model's are {}", p.width, e.width)));
+                        }
+                        if p.pooled_rows != e.pooled_rows || p.buf_kv.len() != e.rem * e.width || p.buf_gate.len() != e.rem * e.width {
+                            return Err(err(
+                                CarryField::Position,
+                                format!(
+                                    "layer {i} pool {j}: {} pooled rows and remainders of {}/{} values; at token {s} it has {} pooled rows and {} remainder rows of {}",
+                                    p.pooled_rows,
+                                    p.buf_kv.len(),
+                                    p.buf_gate.len(),
+                                    e.pooled_rows,
+                                    e.rem,
+                                    e.width
+                                ),
+                            ));
+                        }
+                        match (&p.prev, e.prev) {
+                            (None, false) => {}
+                            (Some([k, g]), true) if k.len() == ratio * e.width && g.len() == ratio * e.width => {}
+                            (got, _) => {
+                                let what = got.as_ref().map_or("no previous window".to_string(), |[k, g]| format!("a previous window of {}/{} values", k.len(), g.len()));
+                                let want = if e.prev { format!("the previous window [{ratio}, {}]", e.width) } else { "none".to_string() };
+                                return Err(err(CarryField::Position, format!("layer {i} pool {j}: {what}; {} at token {s} carries {want}", self.format)));
+                            }
+                        }
+                    }
+                }
+                (got, want) => {
+                    let kind = |v4: bool| if v4 { "a DeepSeek-V4 layer" } else { "a KV layer" };
+                    return Err(err(CarryField::Plan, format!("layer {i}: {} carry, the model has {}", kind(matches!(got, LayerCarry::V4(_))), kind(matches!(want, Expected::V4 { .. })))));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The carry state as bytes (see the module docs).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut arrays: Vec<&[bf16]> = Vec::new();
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCarry::Kv => WireLayer::Kv,
+                LayerCarry::V4(c) => {
+                    arrays.push(&c.window);
+                    let pools = c
+                        .pools
+                        .iter()
+                        .map(|p| {
+                            arrays.push(&p.buf_kv);
+                            arrays.push(&p.buf_gate);
+                            if let Some([k, g]) = &p.prev {
+                                arrays.push(k);
+                                arrays.push(g);
+                            }
+                            WirePool {
+                                width: p.width as u64,
+                                pooled_rows: p.pooled_rows as u64,
+                                rem_values: p.buf_kv.len() as u64,
+                                prev_values: p.prev.as_ref().map(|[k, _]| k.len() as u64),
+                            }
+                        })
+                        .collect();
+                    WireLayer::V4 { sliding_window: c.sliding_window as u64, ratio: c.ratio as u64, head_dim: c.head_dim as u64, window_values: c.window.len() as u64, pools }
+                }
+            })
+            .collect();
+        let header = WireHeader {
+            omlx_format: self.format.name().to_string(),
+            fingerprint: self.fingerprint.clone(),
+            block_size: self.block_size as u64,
+            position: self.position as u64,
+            chain_hash: self.chain_hash.map(|h| h.hex()),
+            layers,
+        };
+        let head = serde_json::to_vec(&header).expect("carry header serializes");
+        let body: usize = arrays.iter().map(|a| a.len() * 2).sum();
+        let mut out = Vec::with_capacity(12 + head.len() + body + 4);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&CARRY_VERSION.to_le_bytes());
+        out.extend_from_slice(&(head.len() as u32).to_le_bytes());
+        out.extend_from_slice(&head);
+        for a in arrays {
+            for v in a {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Parse carry-state bytes; every length is checked against the bytes present. The result is
+    /// not yet checked against a model ([`Self::check_for`]).
+    pub fn decode(bytes: &[u8]) -> Result<CarryState> {
+        let framing = |r: String| err(CarryField::Framing, r);
+        if bytes.len() < 16 || &bytes[..4] != MAGIC {
+            return Err(framing("not a pd-bridge carry state (bad magic or too short)".into()));
+        }
+        let version = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
+        if version != CARRY_VERSION {
+            return Err(framing(format!("version {version}; this build reads version {CARRY_VERSION}")));
+        }
+        let (payload, crc) = bytes.split_at(bytes.len() - 4);
+        if crc32fast::hash(payload).to_le_bytes() != crc {
+            return Err(framing("checksum mismatch: the bytes were damaged".into()));
+        }
+        let n = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes")) as usize;
+        let head = payload.get(12..12 + n).ok_or_else(|| framing(format!("header of {n} bytes overruns the payload")))?;
+        let h: WireHeader = serde_json::from_slice(head).map_err(|e| framing(format!("header: {e}")))?;
+        let format = OmlxFormat::from_name(&h.omlx_format).map_err(|e| err(CarryField::Format, e.to_string()))?;
+        let mut body = &payload[12 + n..];
+        let mut take = |values: u64| -> Result<Vec<bf16>> {
+            let bytes = usize::try_from(values).ok().and_then(|v| v.checked_mul(2)).filter(|&b| b <= body.len());
+            let bytes = bytes.ok_or_else(|| framing(format!("an array of {values} values overruns the payload ({} bytes left)", body.len())))?;
+            let (a, rest) = body.split_at(bytes);
+            body = rest;
+            Ok(a.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect())
+        };
+        let size = |v: u64| usize::try_from(v).map_err(|_| framing(format!("{v} does not fit this host")));
+        let mut layers = Vec::with_capacity(h.layers.len());
+        for l in &h.layers {
+            layers.push(match l {
+                WireLayer::Kv => LayerCarry::Kv,
+                WireLayer::V4 { sliding_window, ratio, head_dim, window_values, pools } => {
+                    let window = take(*window_values)?;
+                    let mut out = Vec::with_capacity(pools.len());
+                    for p in pools {
+                        let buf_kv = take(p.rem_values)?;
+                        let buf_gate = take(p.rem_values)?;
+                        let prev = match p.prev_values {
+                            Some(v) => Some([take(v)?, take(v)?]),
+                            None => None,
+                        };
+                        out.push(PoolCarry { width: size(p.width)?, pooled_rows: size(p.pooled_rows)?, buf_kv, buf_gate, prev });
+                    }
+                    LayerCarry::V4(V4Carry { sliding_window: size(*sliding_window)?, ratio: size(*ratio)?, head_dim: size(*head_dim)?, window, pools: out })
+                }
+            });
+        }
+        if !body.is_empty() {
+            return Err(framing(format!("{} trailing bytes after the last array", body.len())));
+        }
+        let chain_hash = match &h.chain_hash {
+            Some(s) => Some(ChainHash::from_hex(s).ok_or_else(|| framing(format!("chain hash {s:?} is not 64 hex digits")))?),
+            None => None,
+        };
+        Ok(CarryState { format, fingerprint: h.fingerprint, block_size: size(h.block_size)?, position: size(h.position)?, chain_hash, layers })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireHeader {
+    omlx_format: String,
+    fingerprint: String,
+    block_size: u64,
+    position: u64,
+    chain_hash: Option<String>,
+    layers: Vec<WireLayer>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum WireLayer {
+    V4 { sliding_window: u64, ratio: u64, head_dim: u64, window_values: u64, pools: Vec<WirePool> },
+    Kv,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WirePool {
+    width: u64,
+    pooled_rows: u64,
+    /// Values of `buf_kv` (and of `buf_gate`).
+    rem_values: u64,
+    /// Values of each previous-window array, if there is one.
+    prev_values: Option<u64>,
+}
+
+/// One element of a cache state as a block file stores it.
+enum Element<'a> {
+    /// `None` or a zero-size array (oMLX stores both as a float32 zero plus a marker).
+    Empty,
+    Bf16(Vec<usize>, &'a [u8]),
+    I64(Vec<i64>),
+}
+
+/// A block file's tensors and metadata, read the way oMLX's reconstruction reads them.
+struct BlockFile<'a> {
+    st: SafeTensors<'a>,
+    meta: std::collections::HashMap<String, String>,
+    types: Vec<Value>,
+    metas: Vec<Value>,
+}
+
+impl<'a> BlockFile<'a> {
+    fn parse(bytes: &'a [u8]) -> std::result::Result<Self, String> {
+        let st = SafeTensors::deserialize(bytes).map_err(|e| format!("not a valid safetensors file: {e}"))?;
+        let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| format!("not a valid safetensors file: {e}"))?;
+        let meta = header.metadata().clone().ok_or("has no __metadata__")?;
+        let list = |k: &str| -> std::result::Result<Vec<Value>, String> {
+            let text = meta.get(k).ok_or_else(|| format!("metadata has no {k}"))?;
+            match serde_json::from_str(text) {
+                Ok(Value::Array(a)) => Ok(a),
+                _ => Err(format!("metadata {k} is not a JSON list")),
+            }
+        };
+        let (types, metas) = (list("layer_cache_types")?, list("layer_meta_states")?);
+        Ok(BlockFile { st, meta, types, metas })
+    }
+
+    fn element(&self, prefix: &str, k: usize) -> std::result::Result<Element<'a>, String> {
+        let name = format!("{prefix}_state_{k}");
+        if self.meta.contains_key(&format!("{name}_none")) || self.meta.contains_key(&format!("{name}_zero_dim")) {
+            return Ok(Element::Empty);
+        }
+        let t = self.st.tensor(&name).map_err(|_| format!("tensor {name} is missing"))?;
+        match t.dtype() {
+            Dtype::BF16 => Ok(Element::Bf16(t.shape().to_vec(), t.data())),
+            Dtype::I64 => Ok(Element::I64(t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect())),
+            other => Err(format!("tensor {name} is {other:?}, expected BF16")),
+        }
+    }
+
+    fn count(&self, key: &str) -> std::result::Result<usize, String> {
+        self.meta.get(key).and_then(|v| v.parse().ok()).ok_or_else(|| format!("metadata {key} is missing or not an integer"))
+    }
+
+    /// A `[1, …, rows, width]` bf16 array as `(rows, width, values)`; an empty element is 0 rows.
+    fn rows(&self, prefix: &str, k: usize, lead: usize) -> std::result::Result<(usize, usize, Vec<bf16>), String> {
+        match self.element(prefix, k)? {
+            Element::Empty => Ok((0, 0, Vec::new())),
+            Element::Bf16(shape, data) => {
+                if shape.len() != lead + 2 || shape[..lead].iter().any(|&d| d != 1) {
+                    return Err(format!("{prefix}_state_{k} has shape {shape:?}"));
+                }
+                let v = data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
+                Ok((shape[lead], shape[lead + 1], v))
+            }
+            Element::I64(_) => Err(format!("{prefix}_state_{k} is an integer tensor, expected rows")),
+        }
+    }
+
+    /// Layer `i`'s carry, checked against what the plan expects of it at `position`.
+    fn layer(&self, i: usize, want: &Expected, format: OmlxFormat, block_size: usize, position: usize) -> Result<LayerCarry> {
+        let block = |r: String| err(CarryField::Block, format!("layer {i}: {r}"));
+        let ty = self.types.get(i).and_then(Value::as_str).unwrap_or("?");
+        let Expected::V4 { sliding_window, ratio, head_dim, pools, .. } = want else {
+            if ty != "KVCache" {
+                return Err(err(CarryField::Plan, format!("layer {i} is a {ty}, the model's is a KVCache")));
+            }
+            // Each KV block holds exactly its own tokens.
+            let (rows, _, _) = self.rows(&format!("layer_{i}"), 0, 2).map_err(block)?;
+            if rows != block_size {
+                return Err(block(format!("holds {rows} key rows, the block size is {block_size}")));
+            }
+            return Ok(LayerCarry::Kv);
+        };
+        let (ratio, head_dim, sliding_window) = (*ratio, *head_dim, *sliding_window);
+        let want_ty = if ratio == 0 { "RotatingKVCache" } else { "CacheList" };
+        if ty != want_ty {
+            return Err(err(CarryField::Plan, format!("layer {i} is a {ty}, the model's ratio-{ratio} layer is a {want_ty}")));
+        }
+        let (window_prefix, window_meta) = if ratio == 0 {
+            (format!("layer_{i}"), self.metas.get(i))
+        } else {
+            let subs = self.count(&format!("layer_{i}_sub_count")).map_err(block)?;
+            if subs != 1 + pools.len() {
+                return Err(err(CarryField::Plan, format!("layer {i} has {} pools, the model's has {}", subs.saturating_sub(1), pools.len())));
+            }
+            (format!("layer_{i}_sub_0"), self.metas.get(i).and_then(|m| m.get(1)).and_then(|m| m.get(0)))
+        };
+        // RotatingKVCache meta state: [keep, max_size, offset, _idx] as strings.
+        let field = |k: usize| window_meta.and_then(|m| m.get(k)).and_then(Value::as_str).and_then(|s| s.parse::<usize>().ok());
+        let (max_size, offset) = (field(1), field(2));
+        if max_size != Some(sliding_window) {
+            return Err(err(CarryField::Plan, format!("layer {i}: window of max size {max_size:?}, the model's is {sliding_window}")));
+        }
+        if offset != Some(position) {
+            return Err(err(CarryField::Position, format!("layer {i}: the block's window ends at token {offset:?}, not {position}")));
+        }
+        let (_, width, window) = self.rows(&window_prefix, 0, 2).map_err(block)?;
+        if width != head_dim && !window.is_empty() {
+            return Err(err(CarryField::Plan, format!("layer {i}: window rows of width {width}, the model's are {head_dim}")));
+        }
+        let mut out = Vec::with_capacity(pools.len());
+        for (j, e) in pools.iter().enumerate() {
+            let prefix = format!("layer_{i}_sub_{}", j + 1);
+            let n = self.count(&format!("{prefix}_state_count")).map_err(block)?;
+            let (kv, gate) = (self.rows(&prefix, 0, 1).map_err(block)?, self.rows(&prefix, 1, 1).map_err(block)?);
+            let (pooled_rows, prev) = match format.pool_layout() {
+                PoolLayout::Full => {
+                    if n != 3 {
+                        return Err(block(format!("pool {j} has {n} elements, a PoolingCache 3")));
+                    }
+                    (self.rows(&prefix, 2, 1).map_err(block)?.0, None)
+                }
+                PoolLayout::Delta => {
+                    if n != 6 {
+                        return Err(block(format!("pool {j} has {n} elements, a PoolingCacheDelta 6")));
+                    }
+                    let Element::I64(range) = self.element(&prefix, 5).map_err(block)? else {
+                        return Err(block(format!("pool {j}: the row range is not an I64 tensor")));
+                    };
+                    let [start, end] = range[..] else { return Err(block(format!("pool {j}: a row range of {} values", range.len()))) };
+                    let delta = self.rows(&prefix, 2, 1).map_err(block)?.0;
+                    if start < 0 || end < start || (end - start) as usize != delta {
+                        return Err(block(format!("pool {j}: row range [{start}, {end}) with {delta} pooled rows")));
+                    }
+                    let (pk, pg) = (self.rows(&prefix, 3, 2).map_err(block)?, self.rows(&prefix, 4, 2).map_err(block)?);
+                    let prev = (pk.0 > 0 || pg.0 > 0).then(|| [pk.2, pg.2]);
+                    (end as usize, prev)
+                }
+            };
+            for (name, w) in [("buf_kv", kv.1), ("buf_gate", gate.1)] {
+                if w != 0 && w != e.width {
+                    return Err(err(CarryField::Plan, format!("layer {i} pool {j}: {name} rows of width {w}, the model's are {}", e.width)));
+                }
+            }
+            out.push(PoolCarry { width: e.width, pooled_rows, buf_kv: kv.2, buf_gate: gate.2, prev });
+        }
+        Ok(LayerCarry::V4(V4Carry { sliding_window, ratio, head_dim, window, pools: out }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CarryState {
+        let v = |n: usize| (0..n).map(|i| bf16::from_f32(i as f32 - 3.0)).collect::<Vec<_>>();
+        CarryState {
+            format: OmlxFormat::Upstream063,
+            fingerprint: "sha256:ab".into(),
+            block_size: 8,
+            position: 16,
+            chain_hash: Some(ChainHash([7; 32])),
+            layers: vec![
+                LayerCarry::V4(V4Carry { sliding_window: 4, ratio: 0, head_dim: 2, window: v(8), pools: vec![] }),
+                LayerCarry::V4(V4Carry {
+                    sliding_window: 4,
+                    ratio: 4,
+                    head_dim: 2,
+                    window: v(8),
+                    pools: vec![PoolCarry { width: 4, pooled_rows: 4, buf_kv: vec![], buf_gate: vec![], prev: Some([v(16), v(16)]) }],
+                }),
+                LayerCarry::Kv,
+            ],
+        }
+    }
+
+    #[test]
+    fn bytes_round_trip_and_damage_is_refused_by_name() {
+        let c = sample();
+        let b = c.encode();
+        assert_eq!(CarryState::decode(&b).unwrap(), c);
+        for cut in [0, 3, 15, b.len() - 1] {
+            assert!(matches!(CarryState::decode(&b[..cut]), Err(CoreError::Carry { what: CarryField::Framing, .. })), "cut {cut}");
+        }
+        let mut flipped = b.clone();
+        flipped[b.len() / 2] ^= 1;
+        assert!(CarryState::decode(&flipped).unwrap_err().to_string().contains("checksum"));
+        let mut newer = b.clone();
+        newer[4] = 2;
+        assert!(CarryState::decode(&newer).unwrap_err().to_string().contains("version 2"));
+    }
+}
