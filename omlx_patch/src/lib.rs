@@ -6,28 +6,16 @@ use std::sync::Arc;
 use half::bf16;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
-use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights, OmlxFormat};
+use pd_bridge_bindings::errors::to_py_with;
+use pd_bridge_bindings::{guard, to_py, ConfigError, InputError, PdBridgeError};
+use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, DecoderSteps, DecoderWeights, OmlxFormat};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyException, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-pyo3::create_exception!(pd_bridge_omlx._native, PdBridgeError, PyException, "Base class of every pd-bridge error.");
-pyo3::create_exception!(pd_bridge_omlx._native, ConfigError, PdBridgeError, "The decoder's config.json is missing or has an unsupported value.");
-pyo3::create_exception!(pd_bridge_omlx._native, WeightsError, PdBridgeError, "A decoder weight is missing, malformed or stored in an unsupported format.");
-pyo3::create_exception!(pd_bridge_omlx._native, InputError, PdBridgeError, "Attention input that does not fit the layer state.");
+// The exception classes shared with the vLLM wheel (and the CoreError mapping, the panic guard
+// and the logging bridge) come from pd-bridge-bindings; this one is the decode side's own.
 pyo3::create_exception!(pd_bridge_omlx._native, BlockRejected, PdBridgeError, "A block file that must not be served; the message says why.");
-
-fn to_py(e: CoreError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        CoreError::Config { .. } => ConfigError::new_err(msg),
-        CoreError::Weights { .. } | CoreError::WeightFile { .. } => WeightsError::new_err(msg),
-        CoreError::Input { .. } | CoreError::Segment { .. } => InputError::new_err(msg),
-        CoreError::Wire(_) | CoreError::Auth(_) | CoreError::Carry { .. } => PdBridgeError::new_err(msg),
-        CoreError::Io { .. } => PyOSError::new_err(msg),
-    }
-}
 
 /// The core's block-format descriptor by name (`None`: the fork's, for older callers).
 fn format_of(name: Option<&str>) -> PyResult<OmlxFormat> {
@@ -83,29 +71,31 @@ struct Weights {
 impl Weights {
     #[staticmethod]
     fn load(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Self> {
-        let w = py.detach(|| DecoderWeights::load(&model_dir)).map_err(to_py)?;
-        Ok(Weights { inner: Arc::new(w) })
+        guard(|| {
+            let w = py.detach(|| DecoderWeights::load(&model_dir)).map_err(to_py)?;
+            Ok(Weights { inner: Arc::new(w) })
+        })
     }
 
     /// `sha256:<hex>` over the plan and the tensors the cache math reads.
     #[getter]
-    fn fingerprint(&self) -> String {
-        self.inner.fingerprint.clone()
+    fn fingerprint(&self) -> PyResult<String> {
+        guard(|| Ok(self.inner.fingerprint.clone()))
     }
 
     #[getter]
-    fn family(&self) -> &'static str {
-        self.inner.plan.family()
+    fn family(&self) -> PyResult<&'static str> {
+        guard(|| Ok(self.inner.plan.family()))
     }
 
     #[getter]
-    fn num_layers(&self) -> usize {
-        self.inner.plan.num_layers()
+    fn num_layers(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.plan.num_layers()))
     }
 
     #[getter]
-    fn hidden_size(&self) -> usize {
-        self.inner.plan.hidden_size()
+    fn hidden_size(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.plan.hidden_size()))
     }
 }
 
@@ -122,34 +112,40 @@ impl CacheBuilder {
     #[new]
     #[pyo3(signature = (weights, decoder_step, omlx_format=None))]
     fn new(weights: &Weights, decoder_step: usize, omlx_format: Option<&str>) -> PyResult<Self> {
-        let steps = DecoderSteps::for_format(format_of(omlx_format)?, decoder_step).map_err(to_py)?;
-        Ok(CacheBuilder { inner: CoreCacheBuilder::new(weights.inner.clone(), steps) })
+        guard(|| {
+            let steps = DecoderSteps::for_format(format_of(omlx_format)?, decoder_step).map_err(to_py)?;
+            Ok(CacheBuilder { inner: CoreCacheBuilder::new(weights.inner.clone(), steps) })
+        })
     }
 
     /// Fold `[rows, hidden]` attention input (little-endian bf16), first token at absolute
     /// position `start`, into `layer`'s state. `data` is any C-contiguous buffer (bytes,
     /// bytearray, memoryview, a numpy uint8/uint16 array), read in place.
     fn feed(&mut self, py: Python<'_>, layer: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        let buf = byte_buffer(data)?;
-        let inner = &mut self.inner;
-        py.detach(|| with_bf16(&buf, |x| inner.feed(layer, start, x))).map_err(to_py)
+        guard(|| {
+            let buf = byte_buffer(data)?;
+            let inner = &mut self.inner;
+            py.detach(|| with_bf16(&buf, |x| inner.feed(layer, start, x))).map_err(to_py)
+        })
     }
 
     fn processed(&self, layer: usize) -> PyResult<usize> {
-        self.inner.processed(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))
+        guard(|| self.inner.processed(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}"))))
     }
 
     /// The layer's state as `[(name, shape, little-endian bf16 bytes)]`.
     fn snapshot<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Vec<(String, Vec<usize>, Bound<'py, PyBytes>)>> {
-        let state = self.inner.layer(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))?;
-        Ok(state
-            .snapshot()
-            .into_iter()
-            .map(|a| {
-                let bytes: Vec<u8> = a.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-                (a.name.to_string(), a.shape, PyBytes::new(py, &bytes))
-            })
-            .collect())
+        guard(|| {
+            let state = self.inner.layer(layer).ok_or_else(|| InputError::new_err(format!("no layer {layer}")))?;
+            Ok(state
+                .snapshot()
+                .into_iter()
+                .map(|a| {
+                    let bytes: Vec<u8> = a.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    (a.name.to_string(), a.shape, PyBytes::new(py, &bytes))
+                })
+                .collect())
+        })
     }
 }
 
@@ -167,35 +163,37 @@ impl BlockWriter {
     #[new]
     #[pyo3(signature = (cache_dir, model_name, block_size, token_ids, omlx_format=None))]
     fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>, omlx_format: Option<&str>) -> PyResult<Self> {
-        CoreBlockWriter::with_format(format_of(omlx_format)?, cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py)
+        guard(|| CoreBlockWriter::with_format(format_of(omlx_format)?, cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py))
     }
 
     #[getter]
-    fn omlx_format(&self) -> &'static str {
-        self.inner.format().name()
+    fn omlx_format(&self) -> PyResult<&'static str> {
+        guard(|| Ok(self.inner.format().name()))
     }
 
     #[getter]
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
+    fn num_blocks(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.num_blocks()))
     }
 
     fn hash_hex(&self, index: usize) -> PyResult<String> {
-        self.inner.hash(index).map(|h| h.hex()).ok_or_else(|| InputError::new_err(format!("no block {index}")))
+        guard(|| self.inner.hash(index).map(|h| h.hex()).ok_or_else(|| InputError::new_err(format!("no block {index}"))))
     }
 
     /// Wait until every written block is on disk under its final name (visible to oMLX).
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.flush()).map_err(to_py)
+        guard(|| py.detach(|| self.inner.flush()).map_err(to_py))
     }
 
     /// Write block `index` from `builder`, whose layers must have processed exactly the block's
     /// end; its flush to disk finishes in the background (see `flush`). Returns
     /// `(path, bytes, existed)`.
     fn write(&self, py: Python<'_>, builder: PyRef<'_, CacheBuilder>, index: usize) -> PyResult<(std::path::PathBuf, u64, bool)> {
-        let layers = builder.inner.layers();
-        let w = py.detach(|| self.inner.write(index, layers)).map_err(to_py)?;
-        Ok((w.path, w.bytes, w.existed))
+        guard(|| {
+            let layers = builder.inner.layers();
+            let w = py.detach(|| self.inner.write(index, layers)).map_err(to_py)?;
+            Ok((w.path, w.bytes, w.existed))
+        })
     }
 }
 
@@ -211,21 +209,23 @@ fn inspect_block(
     block_size: Option<usize>,
     omlx_format: Option<&str>,
 ) -> PyResult<(String, usize, usize, String, u64)> {
-    let expect = Expect { format: format_of(omlx_format)?, model_name, num_layers, block_size };
-    let info = py.detach(|| inspect(&path, &expect)).map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
-    Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
+    guard(|| {
+        let expect = Expect { format: format_of(omlx_format)?, model_name, num_layers, block_size };
+        let info = py.detach(|| inspect(&path, &expect)).map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
+        Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
+    })
 }
 
 /// The block formats this build writes and validates, by name (newest first).
 #[pyfunction]
-fn omlx_formats() -> Vec<&'static str> {
-    OmlxFormat::ALL.iter().map(|f| f.name()).collect()
+fn omlx_formats() -> PyResult<Vec<&'static str>> {
+    guard(|| Ok(OmlxFormat::ALL.iter().map(|f| f.name()).collect()))
 }
 
 /// The block size `omlx_format`'s oMLX picks for the model whose weights are loaded.
 #[pyfunction]
 fn expected_block_size(weights: &Weights, omlx_format: &str) -> PyResult<usize> {
-    Ok(format_of(Some(omlx_format))?.block_size(&weights.inner.plan))
+    guard(|| Ok(format_of(Some(omlx_format))?.block_size(&weights.inner.plan)))
 }
 
 /// Stops an `ingest` running on another thread (`cancel()`); blocks already written stay.
@@ -238,17 +238,20 @@ struct IngestControl {
 #[pymethods]
 impl IngestControl {
     #[new]
-    fn new() -> Self {
-        Self::default()
+    fn new() -> PyResult<Self> {
+        guard(|| Ok(Self::default()))
     }
 
-    fn cancel(&self) {
-        self.inner.cancel();
+    fn cancel(&self) -> PyResult<()> {
+        guard(|| {
+            self.inner.cancel();
+            Ok(())
+        })
     }
 
     #[getter]
-    fn cancelled(&self) -> bool {
-        self.inner.is_cancelled()
+    fn cancelled(&self) -> PyResult<bool> {
+        guard(|| Ok(self.inner.is_cancelled()))
     }
 }
 
@@ -256,7 +259,7 @@ impl IngestControl {
 /// `out_dir` for the prefill host; returns their fingerprint.
 #[pyfunction]
 fn export_weights(py: Python<'_>, model_dir: std::path::PathBuf, out_dir: std::path::PathBuf) -> PyResult<String> {
-    py.detach(|| DecoderWeights::export(&model_dir, &out_dir)).map_err(to_py)
+    guard(|| py.detach(|| DecoderWeights::export(&model_dir, &out_dir)).map_err(to_py))
 }
 
 /// Receive `request_id`'s segments from the prefill host at `host:port`, writing each block with
@@ -278,32 +281,43 @@ fn ingest(
     on_block: Option<Py<PyAny>>,
     control: Option<Py<IngestControl>>,
 ) -> PyResult<(usize, String)> {
-    use std::net::ToSocketAddrs;
-    let addr = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| PdBridgeError::new_err(format!("cannot resolve {host}:{port}")))?;
-    let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
-    let own = pd_bridge_core::stream::IngestControl::default();
-    let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
-    let got = py.detach(|| {
-        pd_bridge_core::stream::ingest(addr, &token, request_id, fingerprint, &writer.inner, timeout, control_ref, |i| {
-            if let Some(cb) = &on_block {
-                Python::attach(|py| {
-                    if let Err(e) = cb.call1(py, (i,)) {
-                        e.print(py);
-                    }
-                });
-            }
-        })
-    });
-    match got.outcome {
-        Ok(seal) => Ok((got.blocks, serde_json::to_string(&seal).expect("seal serializes"))),
-        Err(e) => Err(PdBridgeError::new_err((format!("after {} blocks: {e}", got.blocks), got.blocks))),
-    }
+    guard(|| {
+        use std::net::ToSocketAddrs;
+        let addr = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| PdBridgeError::new_err(format!("cannot resolve {host}:{port}")))?;
+        let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
+        let own = pd_bridge_core::stream::IngestControl::default();
+        let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
+        // The core's events during the stream carry the request id (logging::request_span).
+        let span = pd_bridge_bindings::logging::request_span(request_id);
+        let got = py.detach(|| span.in_scope(|| {
+            pd_bridge_core::stream::ingest(addr, &token, request_id, fingerprint, &writer.inner, timeout, control_ref, |i| {
+                if let Some(cb) = &on_block {
+                    Python::attach(|py| {
+                        if let Err(e) = cb.call1(py, (i,)) {
+                            e.print(py);
+                        }
+                    });
+                }
+            })
+        }));
+        match got.outcome {
+            Ok(seal) => Ok((got.blocks, serde_json::to_string(&seal).expect("seal serializes"))),
+            Err(e) => Err(to_py_with(&e, (format!("after {} blocks: {e}", got.blocks), got.blocks))),
+        }
+    })
 }
 
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, ConfigError, InputError, PdBridgeError, Weights, WeightsError};
+    use super::{expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
+
+    /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
+    /// WireError, AuthError, InternalError) and the tracing -> logging bridge.
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        pd_bridge_bindings::init_module(m)
+    }
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -9,23 +9,13 @@ use pd_bridge_core::capture::{Capture as CoreCapture, DeviceInput, Input};
 use pd_bridge_core::segment::Segment;
 use sha2::{Digest, Sha256};
 use pd_bridge_core::stream::{Outbox, SegmentServer as CoreSegmentServer};
-use pd_bridge_core::{CoreError, DecoderWeights};
-use pyo3::exceptions::{PyException, PyOSError};
+use pd_bridge_bindings::{guard, to_py, ConfigError, InputError};
+use pd_bridge_core::DecoderWeights;
 use pyo3::prelude::*;
 
-pyo3::create_exception!(pd_bridge_vllm._native, PdBridgeError, PyException, "Base class of every pd-bridge error.");
-pyo3::create_exception!(pd_bridge_vllm._native, ConfigError, PdBridgeError, "The decoder's config.json is missing or has an unsupported value.");
-pyo3::create_exception!(pd_bridge_vllm._native, WeightsError, PdBridgeError, "A decoder weight is missing, malformed or stored in an unsupported format.");
 
-fn to_py(e: CoreError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        CoreError::Config { .. } => ConfigError::new_err(msg),
-        CoreError::Weights { .. } | CoreError::WeightFile { .. } => WeightsError::new_err(msg),
-        CoreError::Input { .. } | CoreError::Segment { .. } | CoreError::Wire(_) | CoreError::Auth(_) | CoreError::Carry { .. } => PdBridgeError::new_err(msg),
-        CoreError::Io { .. } => PyOSError::new_err(msg),
-    }
-}
+// The exception classes, the CoreError mapping, the panic guard and the logging bridge are
+// pd-bridge-bindings', shared with the oMLX wheel.
 
 /// Zero-copy access to Python buffers. The wheel targets the 3.10 stable ABI, whose limited API
 /// lacks the buffer protocol (pyo3's `PyBuffer` needs 3.11), so the two calls are declared here:
@@ -38,7 +28,7 @@ mod buffer {
     use pyo3::ffi;
     use pyo3::prelude::*;
 
-    use super::PdBridgeError;
+    use super::InputError;
 
     #[repr(C)]
     struct RawBuffer {
@@ -88,15 +78,15 @@ mod buffer {
             if unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut raw, PYBUF_RECORDS_RO) } != 0 {
                 let why = PyErr::take(obj.py()).map_or_else(String::new, |e| format!(" ({e})"));
                 let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
-                return Err(PdBridgeError::new_err(format!("data: a {ty} is not a buffer{why}; pass bytes, bytearray, memoryview or a numpy array")));
+                return Err(InputError::new_err(format!("data: a {ty} is not a buffer{why}; pass bytes, bytearray, memoryview or a numpy array")));
             }
             let view = ByteView { raw };
             let itemsize = view.raw.itemsize;
             if itemsize != 1 && itemsize != 2 {
-                return Err(PdBridgeError::new_err(format!("data: buffer items are {itemsize} bytes; expected raw bytes or 2-byte bf16 bit patterns")));
+                return Err(InputError::new_err(format!("data: buffer items are {itemsize} bytes; expected raw bytes or 2-byte bf16 bit patterns")));
             }
             if !view.c_contiguous() {
-                return Err(PdBridgeError::new_err("data: buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)"));
+                return Err(InputError::new_err("data: buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)"));
             }
             Ok(view)
         }
@@ -158,7 +148,7 @@ mod buffer {
 /// the value the decode host compares before it trusts a stream.
 #[pyfunction]
 fn weights_fingerprint(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
-    py.detach(|| DecoderWeights::load(&model_dir)).map(|w| w.fingerprint).map_err(to_py)
+    guard(|| py.detach(|| DecoderWeights::load(&model_dir)).map(|w| w.fingerprint).map_err(to_py))
 }
 
 /// The decoder's attention-cache weights (as exported from the decode host) and fingerprint.
@@ -171,23 +161,25 @@ struct Weights {
 impl Weights {
     #[staticmethod]
     fn load(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Self> {
-        let w = py.detach(|| DecoderWeights::load(&model_dir)).map_err(to_py)?;
-        Ok(Weights { inner: Arc::new(w) })
+        guard(|| {
+            let w = py.detach(|| DecoderWeights::load(&model_dir)).map_err(to_py)?;
+            Ok(Weights { inner: Arc::new(w) })
+        })
     }
 
     #[getter]
-    fn fingerprint(&self) -> String {
-        self.inner.fingerprint.clone()
+    fn fingerprint(&self) -> PyResult<String> {
+        guard(|| Ok(self.inner.fingerprint.clone()))
     }
 
     #[getter]
-    fn num_layers(&self) -> usize {
-        self.inner.plan.num_layers()
+    fn num_layers(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.plan.num_layers()))
     }
 
     #[getter]
-    fn hidden_size(&self) -> usize {
-        self.inner.plan.hidden_size()
+    fn hidden_size(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.plan.hidden_size()))
     }
 }
 
@@ -202,13 +194,15 @@ impl SegmentServer {
     #[new]
     #[pyo3(signature = (address, token, idle_seconds=60.0))]
     fn new(address: &str, token: Vec<u8>, idle_seconds: f64) -> PyResult<Self> {
-        let idle = Duration::try_from_secs_f64(idle_seconds).map_err(|e| ConfigError::new_err(format!("idle_seconds: {e}")))?;
-        CoreSegmentServer::bind(address, token, idle).map(|inner| SegmentServer { inner }).map_err(to_py)
+        guard(|| {
+            let idle = Duration::try_from_secs_f64(idle_seconds).map_err(|e| ConfigError::new_err(format!("idle_seconds: {e}")))?;
+            CoreSegmentServer::bind(address, token, idle).map(|inner| SegmentServer { inner }).map_err(to_py)
+        })
     }
 
     #[getter]
-    fn port(&self) -> u16 {
-        self.inner.local_addr().port()
+    fn port(&self) -> PyResult<u16> {
+        guard(|| Ok(self.inner.local_addr().port()))
     }
 }
 
@@ -249,50 +243,56 @@ impl Capture {
     #[new]
     #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None))]
     fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>) -> PyResult<Self> {
-        let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
-        let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
-        Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0, bytes: 0 })
+        guard(|| {
+            let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
+            let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
+            Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0, bytes: 0 })
+        })
     }
 
     /// Fold `[rows, hidden]` attention input (little-endian bf16) for tokens from `start`.
     /// `data` is any C-contiguous buffer (bytes, bytearray, memoryview, a numpy array of
     /// uint8/uint16), read in place; the caller must not modify it during the call.
     fn feed(&mut self, py: Python<'_>, layer: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        let view = buffer::ByteView::get(data)?;
-        let bytes = view.bytes();
-        if bytes.len() % 2 != 0 {
-            return Err(PdBridgeError::new_err(format!("{} bytes is not a whole number of bf16 values", bytes.len())));
-        }
-        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
-        py.detach(|| {
-            buffer::with_bf16(bytes, |x| {
-                inner.feed(layer, start, x)?;
-                push_all(inner.take_ready(), outbox, digest, segments, wire);
-                Ok(())
+        guard(|| {
+            let view = buffer::ByteView::get(data)?;
+            let bytes = view.bytes();
+            if bytes.len() % 2 != 0 {
+                return Err(InputError::new_err(format!("{} bytes is not a whole number of bf16 values", bytes.len())));
+            }
+            let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+            py.detach(|| {
+                buffer::with_bf16(bytes, |x| {
+                    inner.feed(layer, start, x)?;
+                    push_all(inner.take_ready(), outbox, digest, segments, wire);
+                    Ok(())
+                })
             })
+            .map_err(to_py)
         })
-        .map_err(to_py)
     }
 
     /// Fold attention input read straight from host memory: `data_ptr` points at `nbytes` of
     /// contiguous little-endian bf16, `[rows, hidden]` (a CPU torch tensor's `data_ptr()`). The
     /// caller keeps that memory alive and unmodified for the duration of the call.
     fn feed_ptr(&mut self, py: Python<'_>, layer: usize, start: usize, data_ptr: usize, nbytes: usize) -> PyResult<()> {
-        if data_ptr == 0 || data_ptr % std::mem::align_of::<bf16>() != 0 || nbytes % 2 != 0 {
-            return Err(PdBridgeError::new_err(format!("feed_ptr: {nbytes} bytes at {data_ptr:#x} is not an aligned bf16 buffer")));
-        }
-        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
-        // The GIL is released for the pooling math; the caller's frame still holds the tensor,
-        // so its memory stays alive and unmoved for the call.
-        py.detach(|| {
-            // SAFETY: the caller guarantees `nbytes` readable bytes at `data_ptr` for this call;
-            // bf16 is a plain 2-byte value and the host is little-endian like the wire format.
-            let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
-            inner.feed(layer, start, x)?;
-            push_all(inner.take_ready(), outbox, digest, segments, wire);
-            Ok(())
+        guard(|| {
+            if data_ptr == 0 || data_ptr % std::mem::align_of::<bf16>() != 0 || nbytes % 2 != 0 {
+                return Err(InputError::new_err(format!("feed_ptr: {nbytes} bytes at {data_ptr:#x} is not an aligned bf16 buffer")));
+            }
+            let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+            // The GIL is released for the pooling math; the caller's frame still holds the tensor,
+            // so its memory stays alive and unmoved for the call.
+            py.detach(|| {
+                // SAFETY: the caller guarantees `nbytes` readable bytes at `data_ptr` for this call;
+                // bf16 is a plain 2-byte value and the host is little-endian like the wire format.
+                let x: &[bf16] = unsafe { std::slice::from_raw_parts(data_ptr as *const bf16, nbytes / 2) };
+                inner.feed(layer, start, x)?;
+                push_all(inner.take_ready(), outbox, digest, segments, wire);
+                Ok(())
+            })
+            .map_err(to_py)
         })
-        .map_err(to_py)
     }
 
     /// Fold attention input from a CUDA tensor, as the tap passes it: `data_ptr` and `nbytes` of
@@ -306,70 +306,85 @@ impl Capture {
     #[pyo3(signature = (layer, start, data_ptr, nbytes, dtype, device, stream))]
     #[allow(clippy::too_many_arguments)]
     fn feed_cuda(&mut self, py: Python<'_>, layer: usize, start: usize, data_ptr: u64, nbytes: usize, dtype: &str, device: usize, stream: u64) -> PyResult<()> {
-        if dtype != "bfloat16" && dtype != "torch.bfloat16" {
-            return Err(PdBridgeError::new_err(format!("feed_cuda: dtype {dtype} is not bfloat16")));
-        }
-        let t = DeviceInput { ptr: data_ptr, nbytes, device, stream };
-        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
-        py.detach(|| {
-            inner.feed_input(layer, start, Input::Cuda(t))?;
-            push_all(inner.take_ready(), outbox, digest, segments, wire);
-            Ok(())
+        guard(|| {
+            if dtype != "bfloat16" && dtype != "torch.bfloat16" {
+                return Err(InputError::new_err(format!("feed_cuda: dtype {dtype} is not bfloat16")));
+            }
+            let t = DeviceInput { ptr: data_ptr, nbytes, device, stream };
+            let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+            py.detach(|| {
+                inner.feed_input(layer, start, Input::Cuda(t))?;
+                push_all(inner.take_ready(), outbox, digest, segments, wire);
+                Ok(())
+            })
+            .map_err(to_py)
         })
-        .map_err(to_py)
     }
 
     /// The GPU side stream (an integer `CUstream`) once a CUDA feed started it, else None.
     #[getter]
-    fn side_stream(&self) -> Option<u64> {
-        self.inner.side_stream()
+    fn side_stream(&self) -> PyResult<Option<u64>> {
+        guard(|| Ok(self.inner.side_stream()))
     }
 
     /// GPU chunks queued whose results are not in yet.
     #[getter]
-    fn pending(&self) -> usize {
-        self.inner.pending()
+    fn pending(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.pending()))
     }
 
     /// Take in finished GPU chunks without waiting (event queries) and send the segments they
     /// complete; returns how many segments went out.
-    fn poll(&mut self, py: Python<'_>) -> usize {
-        let before = self.segments;
-        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
-        py.detach(|| push_all(inner.take_ready(), outbox, digest, segments, wire));
-        self.segments - before
+    fn poll(&mut self, py: Python<'_>) -> PyResult<usize> {
+        guard(|| {
+            let before = self.segments;
+            let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+            py.detach(|| push_all(inner.take_ready(), outbox, digest, segments, wire));
+            Ok(self.segments - before)
+        })
     }
 
     /// Bytes of the segments sent so far, as they go on the wire.
     #[getter]
-    fn segment_bytes(&self) -> u64 {
-        self.bytes
+    fn segment_bytes(&self) -> PyResult<u64> {
+        guard(|| Ok(self.bytes))
     }
 
     /// Segments sent so far and the SHA-256 (hex) over them, in order.
     #[getter]
-    fn segments_digest(&self) -> (usize, String) {
-        let d = self.digest.clone().finalize();
-        (self.segments, d.iter().map(|b| format!("{b:02x}")).collect())
+    fn segments_digest(&self) -> PyResult<(usize, String)> {
+        guard(|| {
+            let d = self.digest.clone().finalize();
+            Ok((self.segments, d.iter().map(|b| format!("{b:02x}")).collect()))
+        })
     }
 
     /// Seal the capture (`failure`: why it stopped early, if it did); returns the verdict JSON.
     /// GPU chunks still in flight are waited for first (call it off the forward thread).
     #[pyo3(signature = (failure=None))]
-    fn seal(&mut self, py: Python<'_>, failure: Option<&str>) -> String {
-        let inner = &mut self.inner;
-        let seal = py.detach(|| inner.seal(failure));
-        let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
-        push_all(inner.take_ready(), outbox, digest, segments, wire);
-        self.outbox.seal(seal.clone());
-        serde_json::to_string(&seal).expect("seal serializes")
+    fn seal(&mut self, py: Python<'_>, failure: Option<&str>) -> PyResult<String> {
+        guard(|| {
+            let inner = &mut self.inner;
+            let seal = py.detach(|| inner.seal(failure));
+            let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+            push_all(inner.take_ready(), outbox, digest, segments, wire);
+            self.outbox.seal(seal.clone());
+            Ok(serde_json::to_string(&seal).expect("seal serializes"))
+        })
     }
 }
 
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{weights_fingerprint, Capture, ConfigError, PdBridgeError, SegmentServer, Weights, WeightsError};
+    use super::{weights_fingerprint, Capture, SegmentServer, Weights};
+
+    /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
+    /// WireError, AuthError, InternalError) and the tracing -> logging bridge.
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        pd_bridge_bindings::init_module(m)
+    }
 
     #[pymodule_export]
     const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -11,15 +11,18 @@ import os
 
 from ._native import (  # noqa: F401
     VERSION,
+    AuthError,
     BlockRejected,
     BlockWriter,
     CacheBuilder,
     ConfigError,
     IngestControl,
     InputError,
+    InternalError,
     PdBridgeError,
     Weights,
     WeightsError,
+    WireError,
     expected_block_size,
     export_weights,
     ingest,

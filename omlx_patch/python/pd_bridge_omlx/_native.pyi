@@ -13,8 +13,10 @@ VERSION: str
 """The wheel's version (the Rust crate's)."""
 
 class PdBridgeError(Exception):
-    """Base class of every pd-bridge error. From ``ingest``: ``args == (message, blocks)``, the
-    blocks written (each whole and valid) before the stream broke."""
+    """Base class of every pd-bridge error; both wheels raise the same classes for the same core
+    errors. From ``ingest``: ``args == (message, blocks)``, the blocks written (each whole and
+    valid) before the stream broke, the class saying what broke it (``WireError``,
+    ``AuthError``, ...)."""
 
 class ConfigError(PdBridgeError):
     """The decoder's config.json is missing or has an unsupported value."""
@@ -23,7 +25,18 @@ class WeightsError(PdBridgeError):
     """A decoder weight is missing, malformed or stored in an unsupported format."""
 
 class InputError(PdBridgeError):
-    """Attention input that does not fit the layer state."""
+    """Input that does not fit: attention rows of the wrong width or positions, a bad buffer, a
+    refused segment, an unknown layer or block."""
+
+class WireError(PdBridgeError):
+    """A segment stream that is malformed, out of order, foreign, or that broke."""
+
+class AuthError(PdBridgeError):
+    """A peer that does not prove the shared token."""
+
+class InternalError(PdBridgeError):
+    """A bug in pd-bridge (a Rust panic), caught at the boundary: the engine keeps running. Never
+    pyo3's ``PanicException`` (a ``BaseException``)."""
 
 class BlockRejected(PdBridgeError):
     """A block file that must not be served; the message says why."""

@@ -12,12 +12,16 @@ import os
 
 from ._native import (  # noqa: F401
     VERSION,
+    AuthError,
     Capture,
     ConfigError,
+    InputError,
+    InternalError,
     PdBridgeError,
     SegmentServer,
     Weights,
     WeightsError,
+    WireError,
     weights_fingerprint,
 )
 

@@ -10,13 +10,28 @@ VERSION: str
 """The wheel's version (the Rust crate's)."""
 
 class PdBridgeError(Exception):
-    """Base class of every pd-bridge error."""
+    """Base class of every pd-bridge error; both wheels raise the same classes for the same core
+    errors."""
 
 class ConfigError(PdBridgeError):
     """The decoder's config.json is missing or has an unsupported value."""
 
 class WeightsError(PdBridgeError):
     """A decoder weight is missing, malformed or stored in an unsupported format."""
+
+class InputError(PdBridgeError):
+    """Input that does not fit: attention rows of the wrong width or positions, a bad buffer, a
+    refused segment, an unknown layer or block."""
+
+class WireError(PdBridgeError):
+    """A segment stream that is malformed, out of order, foreign, or that broke."""
+
+class AuthError(PdBridgeError):
+    """A peer that does not prove the shared token."""
+
+class InternalError(PdBridgeError):
+    """A bug in pd-bridge (a Rust panic), caught at the boundary: the engine keeps running. Never
+    pyo3's ``PanicException`` (a ``BaseException``)."""
 
 def weights_fingerprint(model_dir: str | PathLike[str]) -> str:
     """Read the decoder's attention-cache weights from ``model_dir`` and return their
@@ -58,7 +73,7 @@ class Capture:
     def feed(self, layer: int, start: int, data: Buffer) -> None:
         """Fold ``[rows, hidden]`` attention input (little-endian bf16) for tokens from ``start``.
         ``data`` is any C-contiguous buffer (bytes, bytearray, memoryview, a numpy uint8/uint16
-        array), read in place; it must not change during the call. Raises PdBridgeError."""
+        array), read in place; it must not change during the call. Raises InputError."""
     def feed_ptr(self, layer: int, start: int, data_ptr: int, nbytes: int) -> None:
         """Fold attention input read straight from host memory: ``nbytes`` of contiguous
         little-endian bf16 at ``data_ptr`` (a CPU tensor's ``data_ptr()``), kept alive and
