@@ -9,13 +9,33 @@ use std::time::Duration;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::stream::{ingest, IngestControl, SegmentServer};
-use pd_bridge_core::wire::Seal;
+use pd_bridge_core::stream::{ingest, IngestControl, Ingested, Pull, SegmentServer};
+use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest, Seal};
 use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, CoreError};
 
 use common::{random_rows, temp_dir, v4_model_dir, Rng};
 
 const BLOCK: usize = 128;
+
+fn secret() -> CaptureSecret {
+    CaptureSecret::from_hex(&"5e".repeat(32)).unwrap()
+}
+
+/// Pull "req" (or `id`) from `server` with `token` and the test secret, for `tokens`.
+fn pull(server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, tokens: &[u32], writer: &BlockWriter, timeout: Duration, control: &IngestControl, on_block: impl FnMut(usize)) -> Ingested {
+    let s = secret();
+    let p = Pull {
+        addr: server.local_addr(),
+        token,
+        secret: &s,
+        request_id: id,
+        fingerprint: &w.fingerprint,
+        prompt: PromptDigest::of(tokens),
+        limits: FrameLimits::for_plan(&w.plan, writer.format(), BLOCK),
+        timeout,
+    };
+    ingest(&p, writer, control, on_block)
+}
 
 fn setup(prompt: usize) -> (Arc<DecoderWeights>, Vec<Vec<half::bf16>>, Vec<u32>) {
     let w = Arc::new(DecoderWeights::load(v4_model_dir(41)).unwrap());
@@ -27,7 +47,8 @@ fn setup(prompt: usize) -> (Arc<DecoderWeights>, Vec<Vec<half::bf16>>, Vec<u32>)
 /// Feed the capture in 100-token chunks on another thread, pushing segments as they complete;
 /// stop after `stop_after` tokens without sealing if asked (a dying prefill host).
 fn prefill(server: &SegmentServer, w: Arc<DecoderWeights>, inputs: Vec<Vec<half::bf16>>, prompt: usize, stop_after: Option<usize>) -> std::thread::JoinHandle<()> {
-    let outbox = server.outbox("req");
+    let tokens: Vec<u32> = (0..prompt as u32).collect();
+    let outbox = server.outbox("req", &secret(), &w.fingerprint, &PromptDigest::of(&tokens)).unwrap();
     std::thread::spawn(move || {
         let hidden = w.plan.hidden_size();
         let mut cap = Capture::new(w.clone(), "req", prompt, BLOCK).unwrap();
@@ -58,7 +79,7 @@ fn streamed_blocks_arrive_whole_and_in_order() {
     let dir = temp_dir("ingest");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
     let mut order = Vec::new();
-    let got = ingest(server.local_addr(), b"tok", "req", &w.fingerprint, &writer, Duration::from_secs(20), &IngestControl::default(), |i| order.push(i));
+    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(20), &IngestControl::default(), |i| order.push(i));
     producer.join().unwrap();
     assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 5, tokens: 5 * BLOCK as u64 });
     assert_eq!(order, vec![0, 1, 2, 3, 4]);
@@ -87,11 +108,11 @@ fn wrong_token_gets_nothing() {
     let producer = prefill(&server, w.clone(), inputs, prompt, None);
     let dir = temp_dir("wrongtok");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
-    let got = ingest(server.local_addr(), b"nope", "req", &w.fingerprint, &writer, Duration::from_secs(5), &IngestControl::default(), |_| {});
+    let got = pull(&server, b"nope", "req", &w, &tokens, &writer, Duration::from_secs(5), &IngestControl::default(), |_| {});
     producer.join().unwrap();
     assert_eq!(got.blocks, 0);
     let err = got.outcome.unwrap_err().to_string();
-    assert!(err.contains("unauthorized"), "{err}");
+    assert!(err.contains("refused") && err.contains("unauthorized"), "{err}");
     assert!(common::files_under(&dir).is_empty());
 }
 
@@ -103,7 +124,7 @@ fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
     let producer = prefill(&server, w.clone(), inputs, prompt, Some(300));
     let dir = temp_dir("dying");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
-    let got = ingest(server.local_addr(), b"tok", "req", &w.fingerprint, &writer, Duration::from_secs(10), &IngestControl::default(), |_| {});
+    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(10), &IngestControl::default(), |_| {});
     producer.join().unwrap();
     assert!(matches!(got.outcome, Err(CoreError::Wire(_))), "{:?}", got.outcome);
     assert_eq!(got.blocks, 2);
@@ -120,7 +141,7 @@ fn an_unread_outbox_is_bounded() {
     let prompt = 2 * BLOCK;
     let (w, inputs, _) = setup(prompt);
     let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
-    let outbox = server.outbox("nobody-reads");
+    let outbox = server.outbox("nobody-reads", &secret(), &w.fingerprint, &PromptDigest::of(&[])).unwrap();
     let hidden = w.plan.hidden_size();
     let mut cap = Capture::new(w.clone(), "nobody-reads", prompt, BLOCK).unwrap();
     for (l, x) in inputs.iter().enumerate() {
@@ -151,16 +172,7 @@ fn a_cancelled_ingest_returns_at_once_and_keeps_whole_blocks() {
         })
     };
     let t0 = std::time::Instant::now();
-    let got = ingest(
-        server.local_addr(),
-        b"tok",
-        "req",
-        &w.fingerprint,
-        &writer,
-        Duration::from_secs(30),
-        &control,
-        |_| {},
-    );
+    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(30), &control, |_| {});
     canceller.join().unwrap();
     producer.join().unwrap();
     assert!(
@@ -177,16 +189,7 @@ fn a_cancelled_ingest_returns_at_once_and_keeps_whole_blocks() {
         inspect(&f, &Expect::default()).unwrap();
     }
     // Cancelled before connecting: nothing happens.
-    let again = ingest(
-        server.local_addr(),
-        b"tok",
-        "other",
-        &w.fingerprint,
-        &writer,
-        Duration::from_secs(30),
-        &control,
-        |_| {},
-    );
+    let again = pull(&server, b"tok", "other", &w, &tokens, &writer, Duration::from_secs(30), &control, |_| {});
     assert_eq!(again.blocks, 0);
     assert!(again.outcome.is_err());
 }

@@ -262,12 +262,23 @@ fn export_weights(py: Python<'_>, model_dir: std::path::PathBuf, out_dir: std::p
     guard(|| py.detach(|| DecoderWeights::export(&model_dir, &out_dir)).map_err(to_py))
 }
 
-/// Receive `request_id`'s segments from the prefill host at `host:port`, writing each block with
-/// `writer` as it arrives; `on_block(index)` is called once a block is on disk. Returns
-/// `(blocks_written, verdict_json)`; a broken stream raises `PdBridgeError(message, blocks)`
-/// with the count written before it (each of those is whole and valid).
+/// A fresh per-request capture secret (64 hex digits): sent to vLLM in `pd_capture.secret` and
+/// given to `ingest`; only its holder can pull the capture.
 #[pyfunction]
-#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None, control=None))]
+fn capture_secret() -> PyResult<String> {
+    guard(|| pd_bridge_core::wire::CaptureSecret::generate().map(|s| s.to_hex()).map_err(to_py))
+}
+
+/// Receive `request_id`'s segments from the prefill host at `host:port`, writing each block with
+/// `writer` as it arrives; `on_block(index)` is called once a block is on disk. The stream is
+/// encrypted and both sides prove the capture's key, derived from `token`, `secret` (the one sent
+/// in `pd_capture.secret`), the capture id, `fingerprint` and `token_ids` (the prompt exactly as
+/// sent to vLLM): a prefill host that cannot is refused before a byte of cache is accepted.
+/// Frames are capped by what one block of the writer's plan can hold. Returns
+/// `(blocks_written, verdict_json)`; a broken stream raises `PdBridgeError(message, blocks)`
+/// (`AuthError` for a failed handshake) with the count written before it (each whole and valid).
+#[pyfunction]
+#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None, control=None, *, secret, token_ids))]
 #[allow(clippy::too_many_arguments)]
 fn ingest(
     py: Python<'_>,
@@ -280,6 +291,8 @@ fn ingest(
     timeout_seconds: f64,
     on_block: Option<Py<PyAny>>,
     control: Option<Py<IngestControl>>,
+    secret: &str,
+    token_ids: Vec<u32>,
 ) -> PyResult<(usize, String)> {
     guard(|| {
         use std::net::ToSocketAddrs;
@@ -289,8 +302,21 @@ fn ingest(
         let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
         // The core's events during the stream carry the request id (logging::request_span).
         let span = pd_bridge_bindings::logging::request_span(request_id);
+        let secret = pd_bridge_core::wire::CaptureSecret::from_hex(secret).map_err(to_py)?;
+        let w = &writer.inner;
+        let limits = w.plan().map(|plan| pd_bridge_core::wire::FrameLimits::for_plan(plan, w.format(), w.block_size())).unwrap_or_default();
+        let pull = pd_bridge_core::stream::Pull {
+            addr,
+            token: &token,
+            secret: &secret,
+            request_id,
+            fingerprint,
+            prompt: pd_bridge_core::wire::PromptDigest::of(&token_ids),
+            limits,
+            timeout,
+        };
         let got = py.detach(|| span.in_scope(|| {
-            pd_bridge_core::stream::ingest(addr, &token, request_id, fingerprint, &writer.inner, timeout, control_ref, |i| {
+            pd_bridge_core::stream::ingest(&pull, w, control_ref, |i| {
                 if let Some(cb) = &on_block {
                     Python::attach(|py| {
                         if let Err(e) = cb.call1(py, (i,)) {
@@ -310,7 +336,7 @@ fn ingest(
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
+    use super::{capture_secret, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

@@ -8,7 +8,8 @@ use half::bf16;
 use pd_bridge_core::capture::{Capture as CoreCapture, DeviceInput, Input};
 use pd_bridge_core::segment::Segment;
 use sha2::{Digest, Sha256};
-use pd_bridge_core::stream::{Outbox, SegmentServer as CoreSegmentServer};
+use pd_bridge_core::stream::{Outbox, SegmentServer as CoreSegmentServer, ServerConfig};
+use pd_bridge_core::wire::{CaptureSecret, PromptDigest};
 use pd_bridge_bindings::{guard, to_py, ConfigError, InputError};
 use pd_bridge_core::DecoderWeights;
 use pyo3::prelude::*;
@@ -183,20 +184,39 @@ impl Weights {
     }
 }
 
-/// Serves captured segments to decode hosts that prove the shared token.
+/// Serves captured segments to decode hosts that prove a capture's key (the shared token, the
+/// capture's per-request secret, its id, weights and prompt), encrypted.
 #[pyclass(frozen, module = "pd_bridge_vllm._native")]
 struct SegmentServer {
     inner: CoreSegmentServer,
 }
 
+fn seconds(name: &str, v: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|e| ConfigError::new_err(format!("{name}: {e}")))
+}
+
 #[pymethods]
 impl SegmentServer {
+    /// `idle_seconds`: how long a stream waits for the next segment (and a pull for its capture
+    /// to start); `handshake_seconds`: a connection's deadline to finish the handshake;
+    /// `max_connections`: open connections at once; `grace_seconds`: how long a sealed capture
+    /// nobody pulled is kept; `pull_timeout_seconds`: how long any capture nobody pulled is kept;
+    /// `memory_bytes`: segment bytes all captures may hold together before the oldest unpulled
+    /// ones are dropped.
     #[new]
-    #[pyo3(signature = (address, token, idle_seconds=60.0))]
-    fn new(address: &str, token: Vec<u8>, idle_seconds: f64) -> PyResult<Self> {
+    #[pyo3(signature = (address, token, idle_seconds=60.0, *, handshake_seconds=10.0, max_connections=64, grace_seconds=30.0, pull_timeout_seconds=120.0, memory_bytes=1u64 << 30))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(address: &str, token: Vec<u8>, idle_seconds: f64, handshake_seconds: f64, max_connections: usize, grace_seconds: f64, pull_timeout_seconds: f64, memory_bytes: u64) -> PyResult<Self> {
         guard(|| {
-            let idle = Duration::try_from_secs_f64(idle_seconds).map_err(|e| ConfigError::new_err(format!("idle_seconds: {e}")))?;
-            CoreSegmentServer::bind(address, token, idle).map(|inner| SegmentServer { inner }).map_err(to_py)
+            let config = ServerConfig {
+                idle: seconds("idle_seconds", idle_seconds)?,
+                handshake: seconds("handshake_seconds", handshake_seconds)?,
+                max_connections,
+                grace: seconds("grace_seconds", grace_seconds)?,
+                pull_timeout: seconds("pull_timeout_seconds", pull_timeout_seconds)?,
+                memory_bound: memory_bytes,
+            };
+            CoreSegmentServer::bind_with(address, token, config).map(|inner| SegmentServer { inner }).map_err(to_py)
         })
     }
 
@@ -204,6 +224,37 @@ impl SegmentServer {
     fn port(&self) -> PyResult<u16> {
         guard(|| Ok(self.inner.local_addr().port()))
     }
+
+    /// The address it listens on, `host:port`.
+    #[getter]
+    fn address(&self) -> PyResult<String> {
+        guard(|| Ok(self.inner.local_addr().to_string()))
+    }
+
+    /// Captures held (registered, not yet sent or dropped).
+    #[getter]
+    fn outboxes(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.outboxes()))
+    }
+
+    /// Segment bytes all captures hold now.
+    #[getter]
+    fn queued_bytes(&self) -> PyResult<u64> {
+        guard(|| Ok(self.inner.queued_bytes()))
+    }
+
+    /// Connections open now.
+    #[getter]
+    fn connections(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.connections()))
+    }
+}
+
+/// SHA-256 (hex) over a prompt's token ids as the wire binds them into a capture's key; the
+/// connector's scheduler computes it from the ids vLLM prefills.
+#[pyfunction]
+fn prompt_digest(token_ids: Vec<u32>) -> PyResult<String> {
+    guard(|| Ok(PromptDigest::of(&token_ids).to_hex()))
 }
 
 /// One request's capture: attention inputs in, segments out to the server as blocks complete.
@@ -223,8 +274,8 @@ struct Capture {
 fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mut usize, bytes: &mut u64) {
     for seg in segs {
         let header = serde_json::to_vec(&seg.header).expect("header serializes");
-        // What `wire::send_segment` puts on the wire: 20-byte frame header + `Segment::encode`.
-        *bytes += (20 + 4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64;
+        // What `wire::send_segment` puts on the wire: the frame in its encrypted records.
+        *bytes += pd_bridge_core::wire::secure::frame_wire_bytes((4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64);
         digest.update(header);
         for a in &seg.arrays {
             for v in a {
@@ -240,14 +291,36 @@ fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mu
 impl Capture {
     /// `omlx_format`: the decoder's oMLX block format, as the decode host's capture spec names
     /// it (default the fork's); it decides the overlap semantics and what segments carry.
+    ///
+    /// `secret` (the 64 hex digits the decode host sent in `pd_capture.secret`) and
+    /// `prompt_digest` (`prompt_digest(ids)` of the ids this engine prefills) key the capture on
+    /// the wire: only a decode host holding the secret for this id, weights and prompt can pull
+    /// it. Without a secret the capture computes but nothing can pull its segments (digests only).
     #[new]
-    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None))]
-    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None, secret=None, prompt_digest=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>, secret: Option<&str>, prompt_digest: Option<&str>) -> PyResult<Self> {
         guard(|| {
             let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
+            let outbox = match (secret, prompt_digest) {
+                (Some(secret), Some(digest)) => {
+                    let (secret, digest) = (CaptureSecret::from_hex(secret).map_err(to_py)?, PromptDigest::from_hex(digest).map_err(to_py)?);
+                    server.inner.outbox(request_id, &secret, &weights.inner.fingerprint, &digest).map_err(to_py)?
+                }
+                (None, None) => Outbox::detached(request_id),
+                _ => return Err(ConfigError::new_err("a capture's secret and prompt_digest come together")),
+            };
             let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
-            Ok(Capture { inner, outbox: server.inner.outbox(request_id), digest: Sha256::new(), segments: 0, bytes: 0 })
+            Ok(Capture { inner, outbox, digest: Sha256::new(), segments: 0, bytes: 0 })
         })
+    }
+
+    /// Why the segment stream stopped before its seal went out (the decode host went away, it
+    /// was never pulled, the prefill host's memory bound dropped it), else None: the connector
+    /// stops feeding such a capture and seals it aborted with this reason.
+    #[getter]
+    fn stream_closed(&self) -> PyResult<Option<String>> {
+        guard(|| Ok(self.outbox.closed_reason()))
     }
 
     /// Fold `[rows, hidden]` attention input (little-endian bf16) for tokens from `start`.
@@ -377,7 +450,7 @@ impl Capture {
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{weights_fingerprint, Capture, SegmentServer, Weights};
+    use super::{prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

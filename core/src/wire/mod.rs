@@ -1,130 +1,30 @@
-//! The wire: how segments travel from the prefill host to the decode host over one TCP stream.
+//! The wire: how one capture's segments travel from the prefill host to the decode host.
 //!
-//! Every frame is `"PDBW" | version u8 | kind u8 | 0u16 | crc32(payload) u32 | len u64 | payload`.
-//! A connection opens with a challenge-response on the shared token (HMAC-SHA256 over the
-//! server's random nonce and the request id; the token itself never crosses the wire), then
-//! carries the request's segments in block order and ends with exactly one seal.
+//! A connection is one capture: the decode host opens it, both sides prove the capture's key in a
+//! Noise handshake ([`secure`]: mutual authentication, per-request keys, encryption), then the
+//! prefill host sends the capture's segments in block order and exactly one seal, as frames
+//! ([`frame`]) whose declared lengths are capped by what one block of the decoder's plan can hold
+//! ([`limits`]) before anything is allocated.
+//!
+//! Version 2 (this one): Noise `NNpsk0_25519_AESGCM_SHA256`, key from token + per-request secret
+//! + capture id + weights fingerprint + prompt digest. Version 1 (an HMAC challenge on the token,
+//! clear text) is refused by name.
 
-use std::io::{Read, Write};
+pub mod frame;
+pub mod limits;
+pub mod secure;
 
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
 
 use crate::error::{CoreError, Result};
 use crate::segment::Segment;
 
-const MAGIC: &[u8; 4] = b"PDBW";
-pub const VERSION: u8 = 1;
-/// The largest frame a peer may announce; anything larger is refused before allocating.
-pub const MAX_PAYLOAD: u64 = 8 << 30;
+pub use frame::{FrameKind, FrameSink, FrameSource, PlainFrames};
+pub use limits::{max_segment_payload, FrameLimits};
+pub use secure::{CaptureKey, CaptureSecret, PromptDigest, SecureChannel};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum FrameKind {
-    Challenge = 1,
-    Hello = 2,
-    Segment = 3,
-    Seal = 4,
-    Error = 5,
-}
-
-impl FrameKind {
-    fn from_u8(v: u8) -> Option<Self> {
-        Some(match v {
-            1 => FrameKind::Challenge,
-            2 => FrameKind::Hello,
-            3 => FrameKind::Segment,
-            4 => FrameKind::Seal,
-            5 => FrameKind::Error,
-            _ => return None,
-        })
-    }
-}
-
-pub fn write_frame(w: &mut impl Write, kind: FrameKind, payload: &[u8]) -> Result<()> {
-    let mut head = [0u8; 20];
-    head[..4].copy_from_slice(MAGIC);
-    head[4] = VERSION;
-    head[5] = kind as u8;
-    head[8..12].copy_from_slice(&crc32fast::hash(payload).to_le_bytes());
-    head[12..20].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    w.write_all(&head).and_then(|_| w.write_all(payload)).and_then(|_| w.flush()).map_err(|e| CoreError::wire(format!("send failed: {e}")))
-}
-
-pub fn read_frame(r: &mut impl Read) -> Result<(FrameKind, Vec<u8>)> {
-    let mut head = [0u8; 20];
-    r.read_exact(&mut head).map_err(|e| CoreError::wire(format!("connection closed or failed before a frame header: {e}")))?;
-    if &head[..4] != MAGIC {
-        return Err(CoreError::wire("not a pd-bridge stream (bad magic)"));
-    }
-    if head[4] != VERSION {
-        return Err(CoreError::wire(format!("wire version {} is not supported (this build speaks {VERSION})", head[4])));
-    }
-    let kind = FrameKind::from_u8(head[5]).ok_or_else(|| CoreError::wire(format!("unknown frame kind {}", head[5])))?;
-    let crc = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
-    let len = u64::from_le_bytes(head[12..20].try_into().expect("8 bytes"));
-    if len > MAX_PAYLOAD {
-        return Err(CoreError::wire(format!("frame of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit")));
-    }
-    let mut payload = vec![0u8; len as usize];
-    r.read_exact(&mut payload).map_err(|e| CoreError::wire(format!("stream ended inside a {len}-byte frame: {e}")))?;
-    if crc32fast::hash(&payload) != crc {
-        return Err(CoreError::wire("frame checksum mismatch"));
-    }
-    Ok((kind, payload))
-}
-
-fn mac(token: &[u8], nonce: &[u8], request_id: &str) -> Hmac<Sha256> {
-    let mut m = Hmac::<Sha256>::new_from_slice(token).expect("HMAC takes keys of any length");
-    m.update(nonce);
-    m.update(request_id.as_bytes());
-    m
-}
-
-#[derive(Serialize, Deserialize)]
-struct Hello {
-    request_id: String,
-    mac: String,
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    (s.len() % 2 == 0).then(|| (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect::<Option<Vec<u8>>>()).flatten()
-}
-
-/// Prefill side: challenge the client, check its answer; returns the request id it asks for.
-/// A wrong token gets an error frame and `CoreError::Auth`.
-pub fn accept(stream: &mut (impl Read + Write), token: &[u8]) -> Result<String> {
-    let mut nonce = [0u8; 32];
-    getrandom::fill(&mut nonce).map_err(|e| CoreError::wire(format!("no randomness for the challenge: {e}")))?;
-    write_frame(stream, FrameKind::Challenge, &nonce)?;
-    let (kind, payload) = read_frame(stream)?;
-    if kind != FrameKind::Hello {
-        return Err(CoreError::wire(format!("expected a hello, got {kind:?}")));
-    }
-    let hello: Hello = serde_json::from_slice(&payload).map_err(|e| CoreError::wire(format!("hello: {e}")))?;
-    let ok = unhex(&hello.mac).is_some_and(|m| mac(token, &nonce, &hello.request_id).verify_slice(&m).is_ok());
-    if !ok {
-        let _ = write_frame(stream, FrameKind::Error, b"unauthorized: the shared token does not match");
-        return Err(CoreError::Auth(format!("client asked for {:?} with a wrong token", hello.request_id)));
-    }
-    Ok(hello.request_id)
-}
-
-/// Decode side: answer the server's challenge for `request_id`.
-pub fn connect(stream: &mut (impl Read + Write), token: &[u8], request_id: &str) -> Result<()> {
-    let (kind, nonce) = read_frame(stream)?;
-    if kind != FrameKind::Challenge || nonce.len() != 32 {
-        return Err(CoreError::wire(format!("expected a 32-byte challenge, got {kind:?} of {} bytes", nonce.len())));
-    }
-    let m = mac(token, &nonce, request_id).finalize().into_bytes();
-    let hello = serde_json::to_vec(&Hello { request_id: request_id.into(), mac: hex(&m) }).expect("hello serializes");
-    write_frame(stream, FrameKind::Hello, &hello)
-}
+pub(crate) const MAGIC: &[u8; 4] = b"PDBW";
+pub const VERSION: u8 = 2;
 
 /// How a capture ended.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,9 +44,11 @@ pub enum Event {
     Seal(Seal),
 }
 
-/// Reads a request's segments, enforcing request id, fingerprint and position continuity.
-pub struct SegmentReader<R> {
-    inner: R,
+/// Reads a request's segments, enforcing frame limits, request id, fingerprint and position
+/// continuity.
+pub struct SegmentReader<F> {
+    inner: F,
+    limits: FrameLimits,
     request_id: String,
     fingerprint: String,
     next_index: u32,
@@ -154,16 +56,26 @@ pub struct SegmentReader<R> {
     sealed: bool,
 }
 
-impl<R: Read> SegmentReader<R> {
-    pub fn new(inner: R, request_id: &str, fingerprint: &str) -> Self {
-        SegmentReader { inner, request_id: request_id.into(), fingerprint: fingerprint.into(), next_index: 0, next_start: 0, sealed: false }
+impl<F: FrameSource> SegmentReader<F> {
+    /// A reader with the limits of no particular plan (in-memory streams); the network reader
+    /// uses [`Self::with_limits`] with the decoder's plan.
+    pub fn new(inner: F, request_id: &str, fingerprint: &str) -> Self {
+        Self::with_limits(inner, request_id, fingerprint, FrameLimits::default())
+    }
+
+    pub fn with_limits(inner: F, request_id: &str, fingerprint: &str, limits: FrameLimits) -> Self {
+        SegmentReader { inner, limits, request_id: request_id.into(), fingerprint: fingerprint.into(), next_index: 0, next_start: 0, sealed: false }
+    }
+
+    pub fn get_ref(&self) -> &F {
+        &self.inner
     }
 
     pub fn next_event(&mut self) -> Result<Event> {
         if self.sealed {
             return Err(CoreError::wire("the stream is already sealed"));
         }
-        let (kind, payload) = read_frame(&mut self.inner)?;
+        let (kind, payload) = self.inner.next_frame(&self.limits)?;
         match kind {
             FrameKind::Segment => {
                 let seg = Segment::decode(&payload)?;
@@ -198,12 +110,42 @@ impl<R: Read> SegmentReader<R> {
     }
 }
 
-pub fn send_segment(w: &mut impl Write, seg: &Segment) -> Result<()> {
-    write_frame(w, FrameKind::Segment, &seg.encode())
+/// The bytes of a segment frame's payload, in order, without concatenating its arrays
+/// (`Segment::encode`'s layout: u32 LE header length, header JSON, arrays as LE bf16).
+fn segment_parts(seg: &Segment) -> (Vec<u8>, Vec<&[u8]>) {
+    let header = serde_json::to_vec(&seg.header).expect("segment header serializes");
+    let mut prefix = Vec::with_capacity(4 + header.len());
+    prefix.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    prefix.extend_from_slice(&header);
+    // SAFETY: bf16 is a plain 2-byte value; on a little-endian host its bytes are the wire's.
+    let arrays = seg.arrays.iter().map(|a| unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 2) }).collect();
+    (prefix, arrays)
 }
 
-pub fn send_seal(w: &mut impl Write, seal: &Seal) -> Result<()> {
-    write_frame(w, FrameKind::Seal, &serde_json::to_vec(seal).expect("seal serializes"))
+/// Bytes a segment takes on the wire inside its frame (payload only).
+pub fn segment_payload_len(seg: &Segment) -> u64 {
+    let header = serde_json::to_vec(&seg.header).map(|h| h.len()).unwrap_or(0);
+    (4 + header + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64
+}
+
+pub fn send_segment(w: &mut impl FrameSink, seg: &Segment) -> Result<()> {
+    if cfg!(target_endian = "little") {
+        let (prefix, arrays) = segment_parts(seg);
+        let mut parts = Vec::with_capacity(1 + arrays.len());
+        parts.push(prefix.as_slice());
+        parts.extend(arrays);
+        w.send_parts(FrameKind::Segment, &parts)
+    } else {
+        w.send_frame(FrameKind::Segment, &seg.encode())
+    }
+}
+
+pub fn send_seal(w: &mut impl FrameSink, seal: &Seal) -> Result<()> {
+    w.send_frame(FrameKind::Seal, &serde_json::to_vec(seal).expect("seal serializes"))
+}
+
+pub fn send_error(w: &mut impl FrameSink, message: &str) -> Result<()> {
+    w.send_frame(FrameKind::Error, message.as_bytes())
 }
 
 #[cfg(test)]
@@ -212,7 +154,6 @@ mod tests {
     use crate::block::layout::LayerView;
     use crate::pooler::ArrayView;
     use half::bf16;
-    use std::net::{TcpListener, TcpStream};
 
     fn seg(index: u32, start: u64, fp: &str) -> Segment {
         let d = vec![bf16::ONE; 6];
@@ -220,43 +161,16 @@ mod tests {
     }
 
     #[test]
-    fn authenticated_stream_over_tcp() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let rid = accept(&mut s, b"secret").unwrap();
-            send_segment(&mut s, &seg(0, 0, "fp")).unwrap();
-            send_segment(&mut s, &seg(1, 2, "fp")).unwrap();
-            send_seal(&mut s, &Seal::Complete { blocks: 2, tokens: 4 }).unwrap();
-            rid
-        });
-        let mut c = TcpStream::connect(addr).unwrap();
-        connect(&mut c, b"secret", "r").unwrap();
-        let mut r = SegmentReader::new(c, "r", "fp");
-        assert!(matches!(r.next_event().unwrap(), Event::Segment(_)));
-        assert!(matches!(r.next_event().unwrap(), Event::Segment(_)));
-        assert_eq!(match r.next_event().unwrap() { Event::Seal(s) => s, _ => panic!() }, Seal::Complete { blocks: 2, tokens: 4 });
-        assert_eq!(server.join().unwrap(), "r");
+    fn parts_are_the_encoding() {
+        let s = seg(0, 0, "fp");
+        let mut buf = Vec::new();
+        send_segment(&mut buf, &s).unwrap();
+        assert_eq!(&buf[frame::FRAME_HEAD..], &s.encode()[..]);
+        assert_eq!(segment_payload_len(&s), s.encode().len() as u64);
     }
 
     #[test]
-    fn wrong_token_is_refused() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            accept(&mut s, b"secret")
-        });
-        let mut c = TcpStream::connect(addr).unwrap();
-        connect(&mut c, b"guess", "r").unwrap();
-        assert!(matches!(server.join().unwrap(), Err(CoreError::Auth(_))));
-        let err = SegmentReader::new(c, "r", "fp").next_event().err().unwrap().to_string();
-        assert!(err.contains("unauthorized"), "{err}");
-    }
-
-    #[test]
-    fn reader_enforces_order_fingerprint_and_integrity() {
+    fn reader_enforces_order_fingerprint_and_limits() {
         let mut buf = Vec::new();
         send_segment(&mut buf, &seg(1, 2, "fp")).unwrap();
         assert!(SegmentReader::new(&buf[..], "r", "fp").next_event().err().unwrap().to_string().contains("out of order"));
@@ -264,16 +178,16 @@ mod tests {
         send_segment(&mut buf, &seg(0, 0, "other")).unwrap();
         assert!(SegmentReader::new(&buf[..], "r", "fp").next_event().err().unwrap().to_string().contains("fingerprint"));
         let mut buf = Vec::new();
-        send_segment(&mut buf, &seg(0, 0, "fp")).unwrap();
-        let n = buf.len();
-        buf[n - 1] ^= 1;
-        assert!(SegmentReader::new(&buf[..], "r", "fp").next_event().err().unwrap().to_string().contains("checksum"));
-        let mut buf = Vec::new();
         send_seal(&mut buf, &Seal::Complete { blocks: 3, tokens: 6 }).unwrap();
         assert!(SegmentReader::new(&buf[..], "r", "fp").next_event().err().unwrap().to_string().contains("claims 3 blocks"));
         let mut huge = Vec::new();
-        write_frame(&mut huge, FrameKind::Segment, b"").unwrap();
-        huge[12..20].copy_from_slice(&u64::MAX.to_le_bytes());
+        huge.send_frame(FrameKind::Segment, b"").unwrap();
+        huge[1..9].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(SegmentReader::new(&huge[..], "r", "fp").next_event().err().unwrap().to_string().contains("limit"));
+        // A segment over the plan's cap is refused from its head alone.
+        let mut buf = Vec::new();
+        send_segment(&mut buf, &seg(0, 0, "fp")).unwrap();
+        let small = FrameLimits { segment: 10, control: 10 };
+        assert!(SegmentReader::with_limits(&buf[..], "r", "fp", small).next_event().err().unwrap().to_string().contains("10-byte limit"));
     }
 }
