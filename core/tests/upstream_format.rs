@@ -104,7 +104,7 @@ fn delta_blocks_stream_identically_and_validate_only_as_upstream() {
     for p in &paths {
         assert_eq!(inspect(p, &up).unwrap().token_count, block);
         let e = inspect(p, &Expect::default()).unwrap_err();
-        assert!(e.contains("format version \"5\""), "{e}");
+        assert!(e.reason.contains("format version \"5\""), "{e}");
     }
     // Each block carries only its own pooled rows and the [start, end) row range.
     let bytes = std::fs::read(&paths[2]).unwrap();
@@ -135,5 +135,5 @@ fn delta_blocks_stream_identically_and_validate_only_as_upstream() {
     out.extend_from_slice(&bytes[8 + n..]);
     std::fs::write(&paths[2], out).unwrap();
     let e = inspect(&paths[2], &up).unwrap_err();
-    assert!(e.contains("cache_signature block_size 512"), "{e}");
+    assert!(e.reason.contains("cache_signature block_size 512"), "{e}");
 }

@@ -131,16 +131,110 @@ impl PendingBlock {
             }
             Ok(())
         })();
-        result.map(|_| size).map_err(|e| {
+        let out = result.map(|_| size).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             CoreError::io(&path, e)
-        })
+        });
+        track(&tmp, false);
+        out
     }
 
     /// Give up: remove the temporary file.
     pub fn discard(self) {
         let _ = std::fs::remove_file(&self.tmp);
+        track(&self.tmp, false);
     }
+}
+
+/// Temporary names of blocks being written by this process (a concurrent writer's temp file
+/// must never be swept as stale).
+fn in_flight() -> &'static std::sync::Mutex<std::collections::HashSet<PathBuf>> {
+    static SET: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<PathBuf>>> = std::sync::OnceLock::new();
+    SET.get_or_init(Default::default)
+}
+
+fn track(tmp: &Path, on: bool) {
+    let mut set = in_flight().lock().unwrap_or_else(|p| p.into_inner());
+    if on {
+        set.insert(tmp.to_path_buf());
+    } else {
+        set.remove(tmp);
+    }
+}
+
+/// The writer's temporary name for a block: `.<hash>.<pid>.<n>.pd-tmp` (hidden, and not
+/// `*.safetensors`, so oMLX's scan never sees it).
+fn temp_name(stem: &str, pid: u32, n: u64) -> String {
+    format!(".{stem}.{pid}.{n}.pd-tmp")
+}
+
+/// The writer's pid, when `name` is one of the writer's temporary names.
+pub fn temp_owner(name: &str) -> Option<u32> {
+    let inner = name.strip_prefix('.')?.strip_suffix(".pd-tmp")?;
+    let mut parts = inner.split('.');
+    let (stem, pid, n) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || stem.is_empty() || !stem.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+        return None;
+    }
+    n.parse::<u64>().ok()?;
+    pid.parse().ok()
+}
+
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// A dead writer's temp file younger than this is left alone: its pid may belong to another
+/// pid namespace sharing the directory, where the writer is alive.
+const DEAD_OWNER_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Remove the block writer's temporary files that a crashed writer left in `cache_dir`'s block
+/// subdirectories: only names of the writer's own pattern, never one this process is writing;
+/// one whose writing process is gone (and older than a minute), or any older than `max_age`.
+/// Returns what was removed (each logged).
+pub fn clean_stale_temps(cache_dir: &Path, max_age: std::time::Duration) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(subdirs) = std::fs::read_dir(cache_dir) else { return removed };
+    let now = std::time::SystemTime::now();
+    for sub in subdirs.flatten() {
+        let name = sub.file_name();
+        let Some(n) = name.to_str() else { continue };
+        // oMLX's block subdirectories only; never through a link.
+        if n.len() != 1 || !n.bytes().all(|b| b.is_ascii_hexdigit()) || !sub.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Ok(entries) = std::fs::read_dir(sub.path()) else { continue };
+        for e in entries.flatten() {
+            let fname = e.file_name();
+            let Some(owner) = fname.to_str().and_then(temp_owner) else { continue };
+            let path = e.path();
+            let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+            if meta.is_dir() || in_flight().lock().unwrap_or_else(|p| p.into_inner()).contains(&path) {
+                continue;
+            }
+            let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
+            // Our own pid here is a previous process's (a restart that reused it): not in flight.
+            let gone = owner == std::process::id() || !process_alive(owner);
+            let why = if age > max_age {
+                format!("older than {}s", max_age.as_secs())
+            } else if gone && (owner == std::process::id() || age > DEAD_OWNER_GRACE) {
+                format!("its writer (pid {owner}) is gone")
+            } else {
+                continue;
+            };
+            if std::fs::remove_file(&path).is_ok() {
+                tracing::info!(file = %path.display(), reason = %why, "removed a stale block temp file");
+                removed.push(path);
+            }
+        }
+    }
+    removed
 }
 
 /// Write a block under a temporary name in its final directory (a name oMLX's scan ignores).
@@ -151,9 +245,11 @@ pub fn write_pending(path: &Path, tensors: &[Tensor<'_>], metadata: &[(String, S
     // Unique per writer: two requests with the same prompt may write the same block at once.
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp: PathBuf = dir.join(format!(".{stem}.{}.{n}.pd-tmp", std::process::id()));
+    let tmp: PathBuf = dir.join(temp_name(stem, std::process::id(), n));
+    track(&tmp, true);
     let result = (|| -> std::io::Result<(File, u64)> {
-        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        // create_new: never write through a link or a file someone planted on the temp name.
+        let mut w = BufWriter::with_capacity(1 << 20, std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?);
         let head = header(tensors, metadata);
         w.write_all(&head)?;
         let mut size = head.len() as u64;
@@ -167,6 +263,7 @@ pub fn write_pending(path: &Path, tensors: &[Tensor<'_>], metadata: &[(String, S
         Ok((file, size)) => Ok(PendingBlock { file, tmp, path: path.to_path_buf(), size }),
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
+            track(&tmp, false);
             Err(CoreError::io(path, e))
         }
     }

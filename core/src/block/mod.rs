@@ -5,6 +5,7 @@ pub mod chain;
 pub mod file;
 pub mod layout;
 pub mod pyjson;
+pub mod spec;
 pub mod validate;
 pub mod writer;
 

@@ -1,18 +1,49 @@
 //! The block writer: one request's full blocks, written into an oMLX cache directory as the
 //! pooler reaches each block boundary. Memory is one block at a time, whatever the prompt length.
+//!
+//! It is the one way received segments become blocks: [`BlockWriter::check_segment`] admits
+//! each segment of a stream (block grid, order, layer count, every array's shape as the
+//! decoder's plan and the format dictate, pool deltas contiguous, every value finite) before
+//! anything of it is written, and [`BlockWriter::write_segment`] admits and writes. A file
+//! already on a block's name is validated first; a bad one is moved aside and the block written.
+//! Creating the first writer for a cache directory removes temp files a crashed writer left.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::chain::{chain, ChainHash};
-use super::file::{write_pending, Tensor};
+use super::file::{clean_stale_temps, write_pending, Tensor};
 use super::layout::{block_contents, contents, LayerView};
+use super::spec::StoreSpec;
+use super::validate::{inspect_with, move_aside, Expect, RejectKind};
+use crate::assembler::Assembler;
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
+use crate::plan::ModelPlan;
 use crate::pooler::LayerState;
 use crate::segment::Segment;
+
+/// A temp file this old has no writer, whatever its name says (a block is written in seconds).
+pub const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
+
+/// Cache directories this process has swept for stale temp files.
+fn swept() -> &'static Mutex<HashSet<PathBuf>> {
+    static SET: std::sync::OnceLock<Mutex<HashSet<PathBuf>>> = std::sync::OnceLock::new();
+    SET.get_or_init(Default::default)
+}
+
+/// Where a stream of segments stands: the next block it may carry and the pool rows so far.
+struct StreamState {
+    /// The geometry segments are checked against: the plan's, else the first segment's.
+    spec: Option<StoreSpec>,
+    next: u64,
+    pool_rows: Vec<Vec<u64>>,
+    /// Accumulated pools for [`BlockWriter::write_segment`] (full-pool formats).
+    asm: Assembler,
+}
 
 /// Where oMLX keeps a block: `<cache_dir>/<hex[0]>/<hex>.safetensors`.
 pub fn block_path(cache_dir: &Path, hash: &ChainHash) -> PathBuf {
@@ -35,6 +66,9 @@ pub struct BlockWriter {
     model_name: String,
     block_size: usize,
     chain: Vec<ChainHash>,
+    /// The decoder's plan: segments and files on block names are checked against it.
+    plan: Option<ModelPlan>,
+    stream: Mutex<StreamState>,
     /// The block being flushed on the helper thread, and its final path.
     in_flight: Mutex<Option<(PathBuf, JoinHandle<Result<u64>>)>>,
 }
@@ -54,7 +88,28 @@ impl BlockWriter {
         }
         let model_name = model_name.into();
         let chain = chain(&model_name, tokens, block_size);
-        Ok(BlockWriter { format, cache_dir: cache_dir.into(), model_name, block_size, chain, in_flight: Mutex::new(None) })
+        let cache_dir: PathBuf = cache_dir.into();
+        let first = swept().lock().unwrap_or_else(|p| p.into_inner()).insert(cache_dir.clone());
+        if first {
+            clean_stale_temps(&cache_dir, STALE_TEMP_AGE);
+        }
+        let stream = StreamState { spec: None, next: 0, pool_rows: Vec::new(), asm: Assembler::for_layout(format.pool_layout()) };
+        Ok(BlockWriter { format, cache_dir, model_name, block_size, chain, plan: None, stream: Mutex::new(stream), in_flight: Mutex::new(None) })
+    }
+
+    /// Check every segment and every file already on a block's name against the decoder's
+    /// plan (its layer count, every array's shape), not only against the first segment.
+    pub fn with_plan(mut self, plan: &ModelPlan) -> Result<Self> {
+        let spec = StoreSpec::new(plan, self.format, self.block_size)?;
+        let st = self.stream.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.pool_rows = spec.no_pool_rows();
+        st.spec = Some(spec);
+        self.plan = Some(plan.clone());
+        Ok(self)
+    }
+
+    pub fn plan(&self) -> Option<&ModelPlan> {
+        self.plan.as_ref()
     }
 
     pub fn format(&self) -> OmlxFormat {
@@ -94,34 +149,62 @@ impl BlockWriter {
         self.finish(index, &hash, path, &c.tensors, &c.metadata)
     }
 
-    /// Write the block a received segment carries (the decode host's path).
+    /// Admit and write the block a received segment carries (the decode host's path): the
+    /// segment is checked as [`Self::check_segment`] does before anything is written.
     pub fn write_segment(&self, seg: &Segment) -> Result<Written> {
+        let mut st = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        self.admit(&mut st, seg)?;
+        st.asm.absorb(seg)?;
         let index = seg.header.index as usize;
-        let (start, end) = (index * self.block_size, (index + 1) * self.block_size);
-        if (seg.header.start, seg.header.end) != (start as u64, end as u64) {
-            return Err(CoreError::wire(format!(
-                "segment {index} covers [{}, {}), block {index} is [{start}, {end})",
-                seg.header.start, seg.header.end
-            )));
-        }
         let (hash, path, existing) = self.target(index)?;
         if let Some(w) = existing {
             return Ok(w);
         }
-        self.check_segment(seg)?;
-        let views: Vec<LayerView<'_>> = seg.views()?;
+        let views: Vec<LayerView<'_>> = st.asm.views(seg)?;
         let c = contents(self.format, &self.model_name, &hash, self.block_size, &views, now())?;
         self.finish(index, &hash, path, &c.tensors, &c.metadata)
     }
 
-    /// A segment computed for another oMLX block format must not be written as this one.
+    /// Admit a received segment as its stream's next, before anything of it is written: it must
+    /// carry the next block of this prompt (streams start at block 0, in order), cover exactly
+    /// that block, be computed for this oMLX block format, have the decoder's layer count and
+    /// every array in the shape the plan (without one: the stream's first segment) and the
+    /// format give at that block, pool deltas starting where the previous segment's ended,
+    /// and only finite values. Each refusal is a [`CoreError::Segment`] naming the block, the
+    /// layer and array, and what was wrong; a refused segment changes nothing.
     pub fn check_segment(&self, seg: &Segment) -> Result<()> {
+        let mut st = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        self.admit(&mut st, seg)
+    }
+
+    fn admit(&self, st: &mut StreamState, seg: &Segment) -> Result<()> {
+        let block = seg.header.index as u64;
         if seg.header.omlx_format != self.format.name() {
-            return Err(CoreError::wire(format!(
-                "segment {} was computed for oMLX block format {:?}, this decode host writes {:?}",
-                seg.header.index, seg.header.omlx_format, self.format.name()
-            )));
+            return Err(CoreError::segment(
+                block,
+                None,
+                None,
+                format!("segment {} was computed for oMLX block format {:?}, this decode host writes {:?}", seg.header.index, seg.header.omlx_format, self.format.name()),
+            ));
         }
+        if block as usize >= self.chain.len() {
+            return Err(CoreError::segment(block, None, None, format!("not a full block of this prompt ({} blocks)", self.chain.len())));
+        }
+        let inferred;
+        let spec = match &st.spec {
+            Some(s) => s,
+            None => {
+                inferred = StoreSpec::infer(seg, self.format, self.block_size)?;
+                &inferred
+            }
+        };
+        let rows = if st.pool_rows.is_empty() { spec.no_pool_rows() } else { st.pool_rows.clone() };
+        let after = spec.check_segment(seg, st.next, &rows)?;
+        if st.spec.is_none() {
+            st.spec = Some(StoreSpec::infer(seg, self.format, self.block_size)?);
+        }
+        st.pool_rows = after;
+        st.next += 1;
         Ok(())
     }
 
@@ -130,12 +213,35 @@ impl BlockWriter {
         let path = block_path(&self.cache_dir, &hash);
         // Blocks are immutable once named: an existing (or in-flight) one is never rewritten.
         let in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|(p, _)| *p == path);
-        let existing = if in_flight {
-            Some(Written { path: path.clone(), bytes: 0, existed: true })
-        } else {
-            std::fs::metadata(&path).ok().map(|m| Written { path: path.clone(), bytes: m.len(), existed: true })
-        };
-        Ok((hash, path, existing))
+        if in_flight {
+            return Ok((hash, path.clone(), Some(Written { path, bytes: 0, existed: true })));
+        }
+        // A linked block subdirectory would put the block (and what is read back) elsewhere.
+        if let (Some(dir), Ok(cache)) = (path.parent(), std::fs::canonicalize(&self.cache_dir)) {
+            if let Ok(real) = std::fs::canonicalize(dir) {
+                if real != cache.join(&hash.hex()[..1]) {
+                    return Err(CoreError::io(dir, std::io::Error::other(format!("block directory resolves to {}, outside the cache directory {}", real.display(), cache.display()))));
+                }
+            }
+        }
+        // lstat: a link or FIFO on the name is looked at, never followed or opened.
+        if std::fs::symlink_metadata(&path).is_err() {
+            return Ok((hash, path, None));
+        }
+        // Something is on the name: keep it only if it is this block, sound; else move it aside
+        // (the name is this prompt's, so nothing else may sit there) and write the block.
+        let expect = Expect { format: self.format, model_name: Some(self.model_name.clone()), num_layers: self.plan.as_ref().map(ModelPlan::num_layers), block_size: Some(self.block_size) };
+        match inspect_with(&path, &expect, self.plan.as_ref(), Some(&self.cache_dir)) {
+            Ok(info) => Ok((hash, path.clone(), Some(Written { path, bytes: info.file_size, existed: true }))),
+            Err(why) if matches!(why.kind, RejectKind::Outside | RejectKind::Unreadable) => {
+                Err(CoreError::io(&path, std::io::Error::other(format!("cannot write block {index}: {why}"))))
+            }
+            Err(why) => {
+                move_aside(&path, &self.cache_dir, &why).map_err(|e| CoreError::io(&path, e))?;
+                tracing::warn!(block = index, file = %path.display(), reason = %why, "a bad file was on the block's name; writing the block");
+                Ok((hash, path, None))
+            }
+        }
     }
 
     fn finish(&self, index: usize, hash: &ChainHash, path: PathBuf, tensors: &[Tensor<'_>], metadata: &[(String, String)]) -> Result<Written> {
