@@ -27,8 +27,8 @@ core's wire) into oMLX block files. Then, here:
 5. the capture's figures reached vLLM's metrics (``vllm:pd_bridge_*`` from ``LLM.get_metrics()``,
    what ``/metrics`` serves): 2 complete captures, their blocks and bytes.
 
-``OUT`` gets ``result.json`` (every figure), ``<family>-a/`` (request a's upstream-format block
-files, as the decode host wrote them), ``<family>-model.tar`` (the prompt ids, the decoder weights
+``OUT`` gets ``result.json`` (every figure), ``<family>-a-blocks.tar`` (request a's upstream-format
+block files, as the decode host wrote them), ``<family>-model.tar`` (the prompt ids, the decoder weights
 dir and, for MLA, the whole checkpoint) for ``decode_check.py check``, and the engine logs. Exit 0
 when every check passes. Needs a CUDA GPU and vLLM 0.26.0 with pd_bridge_vllm and pd_bridge_omlx
 installed (the kit: see README).
@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -52,6 +51,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "prefill"))
 TOKEN = b"gpu-test-token"
+# The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
+SECRET = "5e" * 32
 # capture id suffix -> (prompt tokens, seed); a spans two of upstream's 2,048-token V4 blocks
 PROMPTS = {"a": (4400, 11), "b": (2600, 12)}
 # Request a: upstream oMLX 0.6.3's blocks (served by decode_check.py); b: the fork's.
@@ -68,7 +69,7 @@ def pull(port: int, rid: str, fingerprint: str, ids: list[int], fmt: str, block:
     import pd_bridge_omlx
 
     writer = pd_bridge_omlx.BlockWriter(str(dest), model_name, block, ids, fmt)
-    n, seal = pd_bridge_omlx.ingest("127.0.0.1", port, TOKEN, rid, fingerprint, writer, timeout_seconds=timeout)
+    n, seal = pd_bridge_omlx.ingest("127.0.0.1", port, TOKEN, rid, fingerprint, writer, timeout_seconds=timeout, secret=SECRET, token_ids=ids)
     writer.flush()
     return {"blocks": n, "seal": json.loads(seal)}
 
@@ -172,7 +173,7 @@ def engine(family: str, work: Path, chunk: int) -> None:
     # The block size the decoder's oMLX picks for this model and format (the core's rule).
     block = {k: pd_bridge_omlx.expected_block_size(decoder, FORMATS[k]) for k in ids}
     sps = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False,
-                          extra_args={"kv_transfer_params": {"pd_capture": {"request_id": f"{family}-{k}", "block_size": block[k], "omlx_format": FORMATS[k]}}}) for k in ids]
+                          extra_args={"kv_transfer_params": {"pd_capture": {"request_id": f"{family}-{k}", "block_size": block[k], "omlx_format": FORMATS[k], "secret": SECRET}}}) for k in ids]
     t1 = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=v) for v in ids.values()], sps, use_tqdm=False)  # one call: concurrent
     t_gen = time.monotonic() - t1
@@ -257,7 +258,7 @@ def check_family(family: str, work: Path, out: Path, chunk: int, prompts: dict |
         ok[f"{rid}: the decode host's client wrote every block ({fmt})"] = got["blocks"] == want["blocks"] == len(list((work / "blocks-engine" / k).rglob("*.safetensors")))
         # 3. the engine's blocks == the CPU reference's from the same inputs
         srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN)
-        cpu = pd_bridge_vllm.Capture(w, rid, n, bs, srv, fmt)
+        cpu = pd_bridge_vllm.Capture(w, rid, n, bs, srv, fmt, SECRET, pd_bridge_vllm.prompt_digest(ids))
         for layer in sorted(fed):
             for s, b in fed[layer]:
                 cpu.feed(layer, s, b)
@@ -270,7 +271,7 @@ def check_family(family: str, work: Path, out: Path, chunk: int, prompts: dict |
         ok[f"{rid}: in-engine capture (exact GEMM) == CPU reference, every array bit for bit"] = same
         # 4. tensor cores: the same inputs as CUDA tensors through the GPU path, default GEMM
         srv2 = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN)
-        gpu = pd_bridge_vllm.Capture(w, rid, n, bs, srv2, fmt)
+        gpu = pd_bridge_vllm.Capture(w, rid, n, bs, srv2, fmt, SECRET, pd_bridge_vllm.prompt_digest(ids))
         dev = torch.device("cuda", 0)
         keep = []
         for s, _ in fed[0]:  # the engine's chunking: chunk by chunk, every layer
@@ -311,7 +312,9 @@ def check_family(family: str, work: Path, out: Path, chunk: int, prompts: dict |
             res.setdefault("seal_log", []).append(line.split("pd-bridge: ", 1)[-1][:200])
     # Request a's upstream blocks, its ids, the decoder weights and (MLA) the checkpoint, for
     # decode_check.py: a real upstream oMLX serves them there.
-    shutil.copytree(work / "blocks-engine" / "a", out / f"{family}-a", dirs_exist_ok=True)
+    # (one tar: the device returns files at most two folders deep)
+    with tarfile.open(out / f"{family}-a-blocks.tar", "w") as tf:
+        tf.add(work / "blocks-engine" / "a", arcname=".")
     (work / f"{family}-a.ids.json").write_text(json.dumps(eng["ids"]["a"]))
     with tarfile.open(out / f"{family}-model.tar", "w") as tf:
         tf.add(work / f"{family}-a.ids.json", arcname=f"{family}-a.ids.json")
