@@ -4,12 +4,13 @@
 use std::sync::Arc;
 
 use half::bf16;
-use pd_bridge_core::block::validate::{inspect, Expect};
+use pd_bridge_core::block::validate::{inspect_with, move_aside, Expect};
 use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
 use pd_bridge_bindings::errors::to_py_with;
 use pd_bridge_bindings::{guard, to_py, ConfigError, InputError, PdBridgeError};
-use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, DecoderSteps, DecoderWeights, OmlxFormat};
+use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights, OmlxFormat};
 use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -159,11 +160,49 @@ struct BlockWriter {
 impl BlockWriter {
     /// `model_name`: the model string oMLX hashes with (the fork: the model directory path it
     /// loaded; upstream: the model id); `token_ids`: the request's ids as oMLX tokenized them;
-    /// `omlx_format`: the block format to write (`omlx_formats()`; default the fork's).
+    /// `omlx_format`: the block format to write (`omlx_formats()`; default the fork's);
+    /// `model_dir`: the decoder's model directory, whose `config.json` plan every received
+    /// segment and every file found on a block's name is checked against.
     #[new]
-    #[pyo3(signature = (cache_dir, model_name, block_size, token_ids, omlx_format=None))]
-    fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>, omlx_format: Option<&str>) -> PyResult<Self> {
-        guard(|| CoreBlockWriter::with_format(format_of(omlx_format)?, cache_dir, model_name, block_size, &token_ids).map(|inner| BlockWriter { inner }).map_err(to_py))
+    #[pyo3(signature = (cache_dir, model_name, block_size, token_ids, omlx_format=None, model_dir=None))]
+    fn new(cache_dir: std::path::PathBuf, model_name: String, block_size: usize, token_ids: Vec<u32>, omlx_format: Option<&str>, model_dir: Option<std::path::PathBuf>) -> PyResult<Self> {
+        guard(|| {
+            let plan = plan_of(model_dir.as_deref())?;
+            let mut inner = CoreBlockWriter::with_format(format_of(omlx_format)?, cache_dir, model_name, block_size, &token_ids).map_err(to_py)?;
+            if let Some(plan) = &plan {
+                inner = inner.with_plan(plan).map_err(to_py)?;
+            }
+            Ok(BlockWriter { inner })
+        })
+    }
+
+    /// Whether segments are checked against the decoder's plan (a `model_dir` was given).
+    #[getter]
+    fn checks_plan(&self) -> PyResult<bool> {
+        guard(|| Ok(self.inner.plan().is_some()))
+    }
+
+    /// Admit and write the block one received segment payload carries (the stream's next, in
+    /// order from block 0): decoded, checked against the plan and the block grid (every
+    /// array's shape, finite values) before anything is written; a refused segment raises
+    /// `InputError` naming the block, layer, array and what was wrong, and writes nothing.
+    /// Returns `(path, bytes, existed)`; the flush finishes in the background (see `flush`).
+    fn write_segment(&self, py: Python<'_>, payload: &Bound<'_, PyAny>) -> PyResult<(std::path::PathBuf, u64, bool)> {
+        guard(|| {
+            let buf = PyUntypedBuffer::get(payload).map_err(|e| InputError::new_err(format!("payload: not a buffer ({e})")))?;
+            if !buf.is_c_contiguous() {
+                return Err(InputError::new_err("payload: buffer is not C-contiguous"));
+            }
+            // SAFETY: a contiguous buffer of `len_bytes` bytes, alive while `buf` is held.
+            let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+            let w = py
+                .detach(|| pd_bridge_core::segment::Segment::decode(bytes).and_then(|seg| self.inner.write_segment(&seg)))
+                .map_err(|e| match e {
+                    CoreError::Wire(m) => InputError::new_err(format!("segment: {m}")),
+                    e => to_py(e),
+                })?;
+            Ok((w.path, w.bytes, w.existed))
+        })
     }
 
     #[getter]
@@ -197,10 +236,23 @@ impl BlockWriter {
     }
 }
 
-/// Validate a block file before oMLX may index it. Returns `(hash_hex, token_count,
-/// num_layers, model_name, file_size)`; raises `BlockRejected` with the reason otherwise.
+/// The decoder's plan from `model_dir/config.json`, when a model directory is given.
+fn plan_of(model_dir: Option<&std::path::Path>) -> PyResult<Option<pd_bridge_core::ModelPlan>> {
+    let Some(dir) = model_dir else { return Ok(None) };
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| PyOSError::new_err(format!("{}: {e}", path.display())))?;
+    pd_bridge_core::ModelPlan::from_config_json(&text).map(Some).map_err(to_py)
+}
+
+/// Validate a block file before oMLX may index it (without following links or blocking on a
+/// FIFO; `model_dir`: the decoder's, whose plan every tensor's dtype and shape must fit;
+/// `cache_dir`: the directory it must lie in). Returns `(hash_hex, token_count, num_layers,
+/// model_name, file_size)`; raises `BlockRejected` with the reason otherwise. `move_bad`: a file
+/// that can never be a valid block (a link, FIFO, directory, or a corrupt or misshapen file) is
+/// first moved into the cache's quarantine directory, which the message then names.
 #[pyfunction]
-#[pyo3(signature = (path, model_name=None, num_layers=None, block_size=None, omlx_format=None))]
+#[pyo3(signature = (path, model_name=None, num_layers=None, block_size=None, omlx_format=None, model_dir=None, cache_dir=None, move_bad=false))]
+#[allow(clippy::too_many_arguments)]
 fn inspect_block(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -208,11 +260,40 @@ fn inspect_block(
     num_layers: Option<usize>,
     block_size: Option<usize>,
     omlx_format: Option<&str>,
+    model_dir: Option<std::path::PathBuf>,
+    cache_dir: Option<std::path::PathBuf>,
+    move_bad: bool,
 ) -> PyResult<(String, usize, usize, String, u64)> {
     guard(|| {
         let expect = Expect { format: format_of(omlx_format)?, model_name, num_layers, block_size };
-        let info = py.detach(|| inspect(&path, &expect)).map_err(|why| BlockRejected::new_err(format!("{}: {why}", path.display())))?;
+        let plan = plan_of(model_dir.as_deref())?;
+        let got = py.detach(|| {
+            inspect_with(&path, &expect, plan.as_ref(), cache_dir.as_deref()).map_err(|why| {
+                let cache = cache_dir.clone().or_else(|| path.parent().and_then(|p| p.parent()).map(|p| p.to_path_buf()));
+                let moved = match (move_bad && why.is_bad_file(), cache) {
+                    (true, Some(cache)) => match move_aside(&path, &cache, &why) {
+                        Ok(to) => format!("; moved aside to {}", to.display()),
+                        Err(e) => format!("; could not be moved aside: {e}"),
+                    },
+                    _ => String::new(),
+                };
+                format!("{}: {why}{moved}", path.display())
+            })
+        });
+        let info = got.map_err(BlockRejected::new_err)?;
         Ok((info.hash.hex(), info.token_count, info.num_layers, info.model_name, info.file_size))
+    })
+}
+
+/// Remove the block writer's temp files a crashed writer left in `cache_dir` (its own hidden
+/// temp pattern only; never one a live writer may still be writing: its process is gone, or
+/// the file is older than `max_age_seconds`). Returns the paths removed.
+#[pyfunction]
+#[pyo3(signature = (cache_dir, max_age_seconds=600.0))]
+fn clean_stale_temps(py: Python<'_>, cache_dir: std::path::PathBuf, max_age_seconds: f64) -> PyResult<Vec<std::path::PathBuf>> {
+    guard(|| {
+        let age = std::time::Duration::try_from_secs_f64(max_age_seconds).map_err(|e| ConfigError::new_err(format!("max_age_seconds: {e}")))?;
+        Ok(py.detach(|| pd_bridge_core::block::file::clean_stale_temps(&cache_dir, age)))
     })
 }
 
@@ -336,7 +417,7 @@ fn ingest(
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{capture_secret, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
+    use super::{capture_secret, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

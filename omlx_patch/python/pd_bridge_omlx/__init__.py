@@ -23,6 +23,8 @@ from ._native import (  # noqa: F401
     Weights,
     WeightsError,
     WireError,
+    capture_secret,
+    clean_stale_temps,
     expected_block_size,
     export_weights,
     ingest,

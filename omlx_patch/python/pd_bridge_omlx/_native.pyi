@@ -79,11 +79,28 @@ class BlockWriter:
     """Writes one request's full blocks into an oMLX cache directory, named by oMLX's chain hash."""
 
     def __init__(
-        self, cache_dir: str | PathLike[str], model_name: str, block_size: int, token_ids: list[int], omlx_format: str | None = None
+        self,
+        cache_dir: str | PathLike[str],
+        model_name: str,
+        block_size: int,
+        token_ids: list[int],
+        omlx_format: str | None = None,
+        model_dir: str | PathLike[str] | None = None,
     ) -> None:
         """``model_name``: the model string oMLX hashes with (the fork: the model directory path
         it loaded; upstream: the model id); ``token_ids``: the request's ids as oMLX tokenized
-        them; ``omlx_format``: the block format to write (``omlx_formats()``; default the fork's)."""
+        them; ``omlx_format``: the block format to write (``omlx_formats()``; default the fork's);
+        ``model_dir``: the decoder's model directory, whose ``config.json`` plan every received
+        segment and every file found on a block's name is checked against."""
+    @property
+    def checks_plan(self) -> bool:
+        """Whether segments are checked against the decoder's plan (a ``model_dir`` was given)."""
+    def write_segment(self, payload: bytes | bytearray | memoryview) -> tuple[str, int, bool]:
+        """Admit and write the block one received segment payload carries (the stream's next,
+        in order from block 0), checked against the plan and the block grid (every array's
+        shape, finite values) before anything is written; a refused segment raises
+        ``InputError`` naming block, layer, array and what was wrong, and writes nothing.
+        Returns ``(path, bytes, existed)``; the flush finishes in the background."""
     @property
     def omlx_format(self) -> str:
         """The block format this writer writes."""
@@ -111,9 +128,20 @@ def inspect_block(
     num_layers: int | None = None,
     block_size: int | None = None,
     omlx_format: str | None = None,
+    model_dir: str | PathLike[str] | None = None,
+    cache_dir: str | PathLike[str] | None = None,
+    move_bad: bool = False,
 ) -> tuple[str, int, int, str, int]:
-    """Validate a block file before oMLX may index it. Returns ``(hash_hex, token_count,
-    num_layers, model_name, file_size)``; raises BlockRejected with the reason otherwise."""
+    """Validate a block file before oMLX may index it, without following links or blocking on
+    a FIFO (``model_dir``: the decoder's, whose plan every tensor's dtype and shape must fit;
+    ``cache_dir``: where it must lie). Returns ``(hash_hex, token_count, num_layers,
+    model_name, file_size)``; raises BlockRejected with the reason otherwise. ``move_bad``: a
+    file that can never be a valid block (a link, FIFO, directory, corrupt or misshapen) is
+    first moved into the cache's ``.pd-bridge-quarantine``, which the message names."""
+
+def clean_stale_temps(cache_dir: str | PathLike[str], max_age_seconds: float = 600.0) -> list[str]:
+    """Remove the block writer's temp files a crashed writer left in ``cache_dir`` (its own
+    hidden pattern only; never one a live writer may still be writing). Returns those removed."""
 
 def omlx_formats() -> list[str]:
     """The block formats this build writes and validates, by name (newest first)."""
@@ -125,6 +153,10 @@ def export_weights(model_dir: str | PathLike[str], out_dir: str | PathLike[str])
     """Write the attention-cache tensors of the MLX model in ``model_dir`` (and its config.json)
     into ``out_dir`` for the prefill host; returns their fingerprint."""
 
+def capture_secret() -> str:
+    """A fresh per-request capture secret (64 hex digits): sent to vLLM in ``pd_capture.secret``
+    and given to ``ingest``; only its holder can pull the capture."""
+
 def ingest(
     host: str,
     port: int,
@@ -135,7 +167,15 @@ def ingest(
     timeout_seconds: float = 60.0,
     on_block: Callable[[int], object] | None = None,
     control: IngestControl | None = None,
+    *,
+    secret: str,
+    token_ids: list[int],
 ) -> tuple[int, str]:
     """Receive ``request_id``'s segments from the prefill host at ``host:port``, writing each
     block with ``writer`` as it arrives; ``on_block(index)`` is called once a block is on disk.
-    Returns ``(blocks_written, verdict_json)``; a broken stream raises PdBridgeError."""
+    The stream is encrypted (wire version 2) and both sides prove the capture's key, derived from
+    ``token``, ``secret`` (as sent in ``pd_capture.secret``), ``request_id``, ``fingerprint`` and
+    ``token_ids`` (the prompt exactly as sent to vLLM): a prefill host that cannot is refused
+    (AuthError) before a byte of cache is accepted. Frame lengths are capped by what one block
+    of the writer's plan (its ``model_dir``) can hold. Returns ``(blocks_written,
+    verdict_json)``; a broken stream raises PdBridgeError (args ``(message, blocks)``)."""
