@@ -131,19 +131,32 @@ impl Capture {
     /// must all be fed. Refused, naming what disagrees, unless the carry state was made from
     /// these weights, for this format and block size, and `S` is within the prompt's full blocks.
     pub fn resume(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize, carry: &crate::carry::CarryState) -> Result<Self> {
-        carry.check_for(&weights.fingerprint, format, block_size, &weights.plan)?;
-        let full = prompt_tokens / block_size * block_size;
+        let mut cap = Self::with_format(format, weights, request_id, prompt_tokens, block_size)?;
+        cap.resume_at(carry)?;
+        Ok(cap)
+    }
+
+    /// Make this capture, before anything was fed to it, one resumed from `carry` (see
+    /// [`Self::resume`]): for callers that create the capture first and learn of the carry state
+    /// afterwards. Refused once a row was fed or a segment produced.
+    pub fn resume_at(&mut self, carry: &crate::carry::CarryState) -> Result<()> {
+        let weights = self.builder.weights().clone();
+        carry.check_for(&weights.fingerprint, self.format, self.block_size, &weights.plan)?;
+        let full = self.blocks * self.block_size;
         if carry.position > full {
             return Err(CoreError::Carry {
                 what: crate::carry::CarryField::Position,
                 reason: format!("resume point {} is past the prompt's last full block (it ends at {full})", carry.position),
             });
         }
-        let mut cap = Self::with_format(format, weights.clone(), request_id, prompt_tokens, block_size)?;
-        cap.builder = CacheBuilder::resume(weights, carry)?;
-        cap.emitted = carry.position / block_size;
-        tracing::debug!(request = %request_id, resumed_at = carry.position, blocks = cap.blocks, "capture resumed from a carry state");
-        Ok(cap)
+        let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(self.builder.origin()));
+        if fed || self.emitted != self.builder.origin() / self.block_size || self.sealed.is_some() || self.pending() > 0 {
+            return Err(CoreError::input(0, format!("capture {} was already fed or sealed; a carry state can only seed a fresh capture", self.request_id)));
+        }
+        self.builder = CacheBuilder::resume(weights, carry)?;
+        self.emitted = carry.position / self.block_size;
+        tracing::debug!(request = %self.request_id, resumed_at = carry.position, blocks = self.blocks, "capture resumed from a carry state");
+        Ok(())
     }
 
     /// The block boundary this capture resumed at (0 for a capture from the first token).

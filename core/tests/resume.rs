@@ -264,6 +264,16 @@ fn rows_before_the_resume_point_are_ignored_and_a_gap_is_refused() {
     let e = cap.feed(0, s + 10, &x[0][(s + 10) * hidden..(s + 20) * hidden]).unwrap_err().to_string();
     assert!(e.contains("resumed at 256") && e.contains("[256, 266)"), "{e}");
 
+    // A capture created first and seeded afterwards is the same capture; once fed, never.
+    let mut late = Capture::with_format(UP, w.clone(), "r", prompt, block).unwrap();
+    late.resume_at(&carry).unwrap();
+    let direct = Capture::resume(UP, w.clone(), "r", prompt, block, &carry).unwrap();
+    assert_eq!(drive(late, &x, hidden, prompt, 0, &[300]), drive(direct, &x, hidden, prompt, 0, &[300]));
+    let mut fed = Capture::with_format(UP, w.clone(), "r", prompt, block).unwrap();
+    fed.feed(0, 0, &x[0][..hidden]).unwrap();
+    let e = fed.resume_at(&carry).unwrap_err().to_string();
+    assert!(e.contains("already fed"), "{e}");
+
     // Resuming at the prompt's last full block leaves nothing to capture: complete at once.
     let (_, at_end) = decoder_side(&w, UP, block, &x, 512);
     let mut done = Capture::resume(UP, w.clone(), "r", prompt, block, &at_end).unwrap();

@@ -159,6 +159,11 @@ impl CacheBuilder {
         Ok(CacheBuilder { weights, layers, origin: s })
     }
 
+    /// The weights the state is computed with.
+    pub fn weights(&self) -> &Arc<DecoderWeights> {
+        &self.weights
+    }
+
     /// Where a resumed state starts (0 for one built from the first token).
     pub fn origin(&self) -> usize {
         self.origin
