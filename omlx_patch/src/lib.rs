@@ -309,6 +309,25 @@ fn expected_block_size(weights: &Weights, omlx_format: &str) -> PyResult<usize> 
     guard(|| Ok(format_of(Some(omlx_format))?.block_size(&weights.inner.plan)))
 }
 
+/// The decoder's carry state at the end of a block it holds (multi-turn resume): `path` is the
+/// block ending at token `position` (a multiple of `block_size`, the block's index + 1 times
+/// it), `weights` the decoder's own (their fingerprint goes with the state). The file is
+/// validated as oMLX loads it and every array checked against the plan and `position`. Returns
+/// the carry state's bytes, which the prefill host's `Capture.resume` takes; raises
+/// `PdBridgeError` naming what does not fit (the block, its position, the plan).
+#[pyfunction]
+#[pyo3(signature = (weights, path, block_size, position, omlx_format))]
+fn carry_state<'py>(py: Python<'py>, weights: &Weights, path: std::path::PathBuf, block_size: usize, position: usize, omlx_format: &str) -> PyResult<Bound<'py, PyBytes>> {
+    guard(|| {
+        let format = format_of(Some(omlx_format))?;
+        let w = &weights.inner;
+        let bytes = py
+            .detach(|| pd_bridge_core::carry::CarryState::from_block_file(&path, &w.plan, &w.fingerprint, format, block_size, position).map(|c| c.encode()))
+            .map_err(to_py)?;
+        Ok(PyBytes::new(py, &bytes))
+    })
+}
+
 /// Stops an `ingest` running on another thread (`cancel()`); blocks already written stay.
 #[pyclass(frozen, module = "pd_bridge_omlx._native")]
 #[derive(Default)]
@@ -417,7 +436,7 @@ fn ingest(
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{capture_secret, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
+    use super::{capture_secret, carry_state, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

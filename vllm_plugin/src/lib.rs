@@ -323,6 +323,31 @@ impl Capture {
         guard(|| Ok(self.outbox.closed_reason()))
     }
 
+    /// Resume this capture, before anything is fed to it, at the block boundary the decode host's
+    /// carry state names (`carry_state`: the bytes `pd_bridge_omlx._native.carry_state` read from
+    /// the block it holds): segments start at that block, rows fed from before it are ignored
+    /// (vLLM may recompute from wherever its prefix cache ends), rows after it must all be fed.
+    /// Refused (PdBridgeError naming what: weights fingerprint, format, block size, position,
+    /// layers, damaged bytes) when it does not fit this capture; the capture is then unchanged.
+    /// Returns the resume point in tokens.
+    fn resume(&mut self, py: Python<'_>, carry_state: &[u8]) -> PyResult<usize> {
+        guard(|| {
+            let inner = &mut self.inner;
+            py.detach(|| {
+                let carry = pd_bridge_core::carry::CarryState::decode(carry_state)?;
+                inner.resume_at(&carry)?;
+                Ok(carry.position)
+            })
+            .map_err(to_py)
+        })
+    }
+
+    /// The block boundary this capture resumed at, in tokens (0: it captures from token 0).
+    #[getter]
+    fn resumed_at(&self) -> PyResult<usize> {
+        guard(|| Ok(self.inner.resumed_at()))
+    }
+
     /// Fold `[rows, hidden]` attention input (little-endian bf16) for tokens from `start`.
     /// `data` is any C-contiguous buffer (bytes, bytearray, memoryview, a numpy array of
     /// uint8/uint16), read in place; the caller must not modify it during the call.

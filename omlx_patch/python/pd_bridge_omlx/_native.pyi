@@ -149,6 +149,12 @@ def omlx_formats() -> list[str]:
 def expected_block_size(weights: Weights, omlx_format: str) -> int:
     """The block size ``omlx_format``'s oMLX picks for the model whose weights are loaded."""
 
+def carry_state(weights: Weights, path: str | PathLike[str], block_size: int, position: int, omlx_format: str) -> bytes:
+    """The decoder's carry state at the end of the held block ``path``, which ends at token
+    ``position`` (``(index + 1) * block_size``): the bytes the prefill host's ``Capture.resume``
+    takes. The file is validated as oMLX loads it and checked against the plan and ``position``;
+    raises ``PdBridgeError`` naming what does not fit."""
+
 def export_weights(model_dir: str | PathLike[str], out_dir: str | PathLike[str]) -> str:
     """Write the attention-cache tensors of the MLX model in ``model_dir`` (and its config.json)
     into ``out_dir`` for the prefill host; returns their fingerprint."""

@@ -70,6 +70,16 @@ class Capture:
     ) -> None:
         """``omlx_format``: the decoder's oMLX block format, as the decode host's capture spec
         names it (default the fork's); it decides the overlap semantics and what segments carry."""
+    def resume(self, carry_state: bytes) -> int:
+        """Resume this capture, before anything is fed, at the block boundary the decode host's
+        carry state names (the bytes ``pd_bridge_omlx._native.carry_state`` read from its block):
+        segments start at that block, rows fed from before it are ignored, rows after it must all
+        be fed. Raises PdBridgeError naming what does not fit (weights fingerprint, format, block
+        size, position, layers, damaged bytes); the capture is then unchanged. Returns the resume
+        point in tokens."""
+    @property
+    def resumed_at(self) -> int:
+        """The block boundary this capture resumed at, in tokens (0: captured from token 0)."""
     def feed(self, layer: int, start: int, data: Buffer) -> None:
         """Fold ``[rows, hidden]`` attention input (little-endian bf16) for tokens from ``start``.
         ``data`` is any C-contiguous buffer (bytes, bytearray, memoryview, a numpy uint8/uint16
