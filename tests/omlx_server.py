@@ -316,9 +316,9 @@ def _omlx_command() -> list[str]:
     return [sys.executable, "-m", "omlx.cli"]
 
 
-def _request(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+def _request(url: str, body: dict | None = None, timeout: float = 600.0, headers: dict | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
@@ -360,6 +360,7 @@ def serve(
     log_level: str = "info",
     timeout: float = 900.0,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> Iterator[OmlxServer]:
     """Run `omlx serve --model-dir MODEL_ROOT --paged-ssd-cache-dir CACHE_DIR` on 127.0.0.1.
 
@@ -367,6 +368,7 @@ def serve(
     load up front (default: the only/first one). `home` becomes $HOME, so settings, logs and
     the admin state live in `home/.fmlx` (`home/.omlx` upstream) and nothing leaks into the real home. The hot cache
     stays off, so every stored block goes straight to the writer thread and onto disk.
+    `api_key`: start oMLX with `--api-key` and its verification on (the model load sends it).
     """
     model_root = Path(model_root).resolve()
     cache_dir = Path(cache_dir).resolve()
@@ -382,9 +384,9 @@ def serve(
     for base in (home / ".fmlx", home / ".omlx"):
         base.mkdir(parents=True, exist_ok=True)
         settings_file = base / "settings.json"
-        if not settings_file.exists():
+        if api_key is not None or not settings_file.exists():
             settings_file.write_text(
-                json.dumps({"version": "1.0", "auth": {"skip_api_key_verification": True}}, indent=2)
+                json.dumps({"version": "1.0", "auth": {"skip_api_key_verification": api_key is None}}, indent=2)
             )
     port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMLX_", "FMLX_"))}
@@ -403,6 +405,7 @@ def serve(
         "--port", str(port),
         "--paged-ssd-cache-dir", str(cache_dir),
         "--log-level", log_level,
+        *(("--api-key", api_key) if api_key is not None else ()),
         *extra_args,
     ]  # fmt: skip
     log_path = home / f"omlx-serve-{port}.log"
@@ -430,7 +433,8 @@ def serve(
                 time.sleep(0.5)
         # Load the model now, so the first request's timing is prefill only.
         remaining = max(1.0, deadline - time.monotonic())
-        _request(f"{base_url}/admin/api/models/{model}/load", {}, timeout=remaining)
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
+        _request(f"{base_url}/admin/api/models/{model}/load", {}, timeout=remaining, headers=auth)
         yield OmlxServer(
             base_url=base_url, port=port, model=model,
             model_path=model_root / model, cache_dir=cache_dir, home=home,

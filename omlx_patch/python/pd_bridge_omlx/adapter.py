@@ -314,7 +314,8 @@ def install_routes() -> None:
             from .bridge import get_bridge
             from .counters import COUNTERS
 
-            return {"bridge": get_bridge().describe(), "counters": COUNTERS.snapshot()}
+            # What a user of the port may know: no token, no prefill-host address (describe() is for the log).
+            return {**get_bridge().public_status(), "counters": COUNTERS.snapshot()}
 
         from .middleware import VerdictMiddleware
 

@@ -8,8 +8,13 @@ registers it with oMLX's index as it lands, then lets oMLX continue: the schedul
 prefix hit and prefills only the sub-block tail. Every failure leaves oMLX serving natively,
 with whatever whole blocks did arrive, and a verdict that says what happened.
 
-All slow work (tokenizing, fingerprinting, HTTP, the stream) runs on the bridge's own threads;
-oMLX's event loop keeps serving other requests meanwhile.
+All slow work runs on the bridge's own threads, in two pools, so that oMLX's event loop keeps
+serving other requests and no prompt's decision ever waits behind a bridge: the decision pool only
+tokenizes and walks oMLX's prefix index; the I/O pool runs everything that may block on the
+prefill host (fingerprint, health, the prefill request, the segment stream). At most
+``PD_BRIDGE_MAX_BRIDGES`` bridges are in flight, each holding its slot until its last I/O thread
+has returned (a request blocked on a stalled host included); a prompt past the cap is declined
+at once and served natively.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -35,6 +42,74 @@ logger = logging.getLogger("pd_bridge_omlx")
 
 # After vLLM answers (or fails), how long the stream may take to deliver what remains.
 _GRACE_AFTER_HTTP_FAILURE_S = 2.0
+# Threads that tokenize prompts and walk oMLX's prefix index (pure CPU, never the network).
+_DECIDE_THREADS = 8
+
+# Peer addresses in a reason: verdicts go to every client of oMLX's port (X-PD-Bridge, the
+# status routes); the log keeps the full text.
+_URL_ORIGIN = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s'\"]+")
+_IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?![\w.])")
+_IPV6 = re.compile(r"\[[0-9a-fA-F:.%\w]*:[0-9a-fA-F:.%\w]*\](?::\d+)?")
+
+
+def public_reason(text: str, hosts: tuple[str, ...] = ()) -> str:
+    """``text`` without addresses: URL origins become ``<prefill host>``, socket addresses
+    ``<address>``, and each of ``hosts`` (host names) ``<prefill host>``."""
+    text = _URL_ORIGIN.sub("<prefill host>", text)
+    for host in sorted({h for h in hosts if h}, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.-]){re.escape(host)}(?::\d+)?(?![\w-])", "<prefill host>", text)
+    return _IPV6.sub("<address>", _IPV4.sub("<address>", text))
+
+
+class _Slot:
+    """One admitted bridge: released when the bridge is done *and* every I/O job it started has
+    returned (a prefill request stuck on a stalled host keeps holding its thread, so it keeps
+    holding the slot)."""
+
+    def __init__(self, slots: "_Slots") -> None:
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._parts = 1  # the bridge itself, until done()
+
+    def hold(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._parts += 1
+        fut.add_done_callback(lambda _f: self._release())
+
+    def done(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._parts -= 1
+            last = self._parts == 0
+        if last:
+            self._slots._give_back()
+
+
+class _Slots:
+    """At most ``limit`` bridges in flight; taking a slot never waits."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held = 0
+
+    def try_take(self) -> _Slot | None:
+        with self._lock:
+            if self._held >= self.limit:
+                return None
+            self._held += 1
+        return _Slot(self)
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._held
 
 
 class PrefillUnavailable(RuntimeError):
@@ -125,8 +200,16 @@ class Bridge:
         self.cfg = cfg
         self.config_error = config_error
         self.host = PrefillHost(cfg) if cfg is not None else None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pd-bridge")
+        max_bridges = cfg.max_bridges if cfg is not None else 1
+        self._decide_pool = concurrent.futures.ThreadPoolExecutor(max_workers=_DECIDE_THREADS, thread_name_prefix="pd-bridge-decide")
+        # Each admitted bridge runs at most two I/O jobs at once (the prefill request and the
+        # stream; fingerprint, health and model lookup come before them, one at a time), so
+        # admitted bridges never queue here; one spare for the shared fingerprint load.
+        self._io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_bridges + 1, thread_name_prefix="pd-bridge-io")
+        self._slots = _Slots(max_bridges)
         self._fingerprints: dict[str, str | Exception] = {}
+        self._fingerprint_loads: dict[str, concurrent.futures.Future] = {}
+        self._fingerprint_lock = threading.Lock()
 
     @property
     def version(self) -> versions.OmlxVersion:
@@ -148,8 +231,44 @@ class Bridge:
         return (f"prefill {c.prefill_url}, segments {c.segments_host}:{c.segments_port}, "
                 f"min prompt {c.min_prompt_tokens}, min uncached {c.min_uncached_tokens}, timeout {c.timeout_s:g}s")  # fmt: skip
 
-    def _run(self, fn, *args):
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def public_status(self) -> dict:
+        """What a user of oMLX's port may see (``GET /pd-bridge/v1/status``): on or off, the
+        thresholds, bridges in flight; never the token or the prefill host's addresses."""
+        if self.cfg is None:
+            why = f"bridge misconfigured: {self.config_error}" if self.config_error else "PD_BRIDGE_PREFILL_URL is not set"
+            return {"bridge": f"off: {public_reason(why)}", "in_flight": 0, "max_bridges": 0}
+        c = self.cfg
+        return {
+            "bridge": (f"on: min prompt {c.min_prompt_tokens}, min uncached {c.min_uncached_tokens}, "
+                       f"timeout {c.timeout_s:g}s, at most {c.max_bridges} bridges at once"),  # fmt: skip
+            "in_flight": self._slots.in_flight,
+            "max_bridges": c.max_bridges,
+        }
+
+    def _public(self, text: str) -> str:
+        c = self.cfg
+        hosts = () if c is None else (urlsplit(c.prefill_url).hostname or "", c.segments_host)
+        return public_reason(text, hosts)
+
+    def _decide(self, fn, *args):
+        """Decision work (tokenize, prefix walk): its own pool, never behind bridge I/O."""
+        return asyncio.wrap_future(self._decide_pool.submit(fn, *args))
+
+    def _io(self, slot: _Slot, fn, *args):
+        """Work that may block on the prefill host, charged to the bridge's slot until it returns."""
+        fut = self._io_pool.submit(fn, *args)
+        slot.hold(fut)
+        return asyncio.wrap_future(fut)
+
+    def _fingerprint(self, weights_dir: str, slot: _Slot):
+        """``fingerprint`` on the I/O pool, loaded once however many bridges ask at the same time."""
+        with self._fingerprint_lock:
+            fut = self._fingerprint_loads.get(weights_dir)
+            if fut is None:
+                fut = self._io_pool.submit(self.fingerprint, weights_dir)
+                self._fingerprint_loads[weights_dir] = fut
+        slot.hold(fut)
+        return asyncio.wrap_future(fut)
 
     def fingerprint(self, weights_dir: str) -> str:
         # Cached, failures too: a running oMLX's weights do not change, and loading them again
@@ -182,7 +301,16 @@ class Bridge:
         """Decide and, when worth it, bridge. Returns the verdict, the bytes written and the
         prompt's token ids (None when it was not tokenized here); oMLX is then handed exactly
         those ids, so the blocks and its prefix lookup agree by construction. Never raises: any
-        failure is a verdict, and oMLX then prefills natively."""
+        failure is a verdict, and oMLX then prefills natively. The verdict's reason names no
+        peer address (``public_reason``); the log has the full text."""
+        verdict, nbytes, ids = await self._prepare(engine_core, prompt, request_id, multimodal)
+        public = self._public(verdict.reason)
+        if public != verdict.reason:
+            logger.info("pd-bridge[%s]: %s: %s", request_id, verdict.kind, verdict.reason)
+            verdict.reason = public
+        return verdict, nbytes, ids
+
+    async def _prepare(self, engine_core, prompt, request_id: str, multimodal: bool) -> tuple[Verdict, int, list[int] | None]:
         t0 = time.perf_counter()
         if self.cfg is None:
             return native(f"bridge misconfigured: {self.config_error}" if self.config_error else "PD_BRIDGE_PREFILL_URL is not set", request_id), 0, None
@@ -194,7 +322,7 @@ class Bridge:
         if pcm is None or ssd is None:
             return native("oMLX runs without an SSD prefix cache (start it with --paged-ssd-cache-dir)", request_id), 0, None
         try:
-            ids = await self._run(lambda: list(scheduler.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt])
+            ids = await self._decide(lambda: list(scheduler.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt])
         except Exception as e:  # the scheduler will report its own error for this prompt
             return native(f"prompt could not be tokenized: {e}", request_id), 0, None
         n, cfg = len(ids), self.cfg
@@ -203,31 +331,41 @@ class Bridge:
         block_size = int(getattr(pcm, "block_size", 0) or scheduler.config.paged_cache_block_size)
         # Leave at least one token uncached: oMLX needs a token to feed for the first logit.
         nblocks = (n - 1) // block_size
-        cached = await self._run(self._cached_blocks, pcm, ssd, ids, nblocks, block_size)
+        cached = await self._decide(self._cached_blocks, pcm, ssd, ids, nblocks, block_size)
         uncached = (nblocks - cached) * block_size
         if uncached < cfg.min_uncached_tokens:
             what = f"prefix cached: {cached * block_size} of {n} tokens" if cached else f"{nblocks} full blocks of {block_size} tokens"
             return native(f"{what}; {uncached} bridgeable uncached tokens is under PD_BRIDGE_MIN_UNCACHED_TOKENS={cfg.min_uncached_tokens}", request_id), 0, ids
 
         # From here a bridge is tried: failures are "declined" (or "partial").
+        slot = self._slots.try_take()
+        if slot is None:
+            return Verdict("declined", f"{cfg.max_bridges} bridges already in flight (PD_BRIDGE_MAX_BRIDGES={cfg.max_bridges})", request_id=request_id), 0, ids
+        try:
+            return await self._admitted(engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0)
+        finally:
+            slot.done()
+
+    async def _admitted(self, engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0) -> tuple[Verdict, int, list[int] | None]:
+        cfg = self.cfg
         # The directory oMLX loaded the model from: the engine's model_name on every supported
         # oMLX (upstream's scheduler holds the model id instead).
         weights_dir = cfg.weights_dir or str(getattr(getattr(engine_core, "config", None), "model_name", "") or scheduler.config.model_name)
         try:
-            fingerprint = await self._run(self.fingerprint, weights_dir)
+            fingerprint = await self._fingerprint(weights_dir, slot)
         except Exception as e:
             return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0, ids
         try:
-            await self._run(self.host.check_health)
-            await self._run(self.host.model)
+            await self._io(slot, self.host.check_health)
+            await self._io(slot, self.host.model)
         except PrefillUnavailable as e:
             return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0, ids
         t_decided = time.perf_counter()
-        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id)
+        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot)
         verdict.phases["decide"] = t_decided - t0
         return verdict, nbytes, ids
 
-    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id) -> tuple[Verdict, int]:
+    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot) -> tuple[Verdict, int]:
         cfg = self.cfg
         capture_id = f"pdb-{request_id}-{uuid.uuid4().hex[:8]}"
         cache_dir = Path(ssd._cache_dir)
@@ -261,9 +399,8 @@ class Bridge:
         spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format}
         logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id)
         t_ask = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        stream = loop.run_in_executor(self._pool, pull)
-        http = loop.run_in_executor(self._pool, self.host.prefill, ids, spec, cfg.timeout_s)
+        stream = self._io(slot, pull)
+        http = self._io(slot, self.host.prefill, ids, spec, cfg.timeout_s)
         t_http = None
         http_error = None
         deadline = t_ask + cfg.timeout_s

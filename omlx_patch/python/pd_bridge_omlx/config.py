@@ -37,6 +37,10 @@ class BridgeConfig:
     weights_dir: str | None
     #: Longest the HTTP client waits to connect to the prefill host (each request).
     connect_timeout_s: float = 5.0
+    #: Bridges in flight at once (their HTTP request and stream each hold an I/O thread until
+    #: they end, however stalled the prefill host is); a prompt past the cap is declined and
+    #: served natively at once.
+    max_bridges: int = 4
 
 
 def _int(env, name: str, default: int, minimum: int = 0) -> int:
@@ -110,4 +114,5 @@ def from_env(env=None) -> BridgeConfig | None:
         idle_s=_float(env, "PD_BRIDGE_IDLE_S", 60.0),
         weights_dir=env.get("PD_BRIDGE_WEIGHTS", "").strip() or None,
         connect_timeout_s=_float(env, "PD_BRIDGE_CONNECT_TIMEOUT_S", 5.0),
+        max_bridges=_int(env, "PD_BRIDGE_MAX_BRIDGES", 4, minimum=1),
     )

@@ -5,16 +5,25 @@ seen the prompt, so the response headers would leave before any verdict exists. 
 middleware holds what the handler sends (without blocking it) until the engine hook has decided
 the request's verdict, or the response ends without reaching the engine, then sends it with the
 header added, and everything after it unchanged. The hook and the middleware share one ``VerdictSlot`` through a context
-variable: oMLX's handler tasks inherit it from the middleware's context.
+variable: oMLX's handler tasks inherit it from the middleware's context. A non-streaming
+``/v1/completions`` with a list of prompts waits for every prompt's verdict (oMLX streams only the
+first prompt of a list).
+
+The bridge's own routes (everything under ``/pd-bridge/``) pass oMLX's own API-key check first,
+``verify_api_key`` of the versions table's server module: with ``--api-key`` set, a request
+without the key, or with a wrong one, gets exactly the answer oMLX gives on its own routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import json
 import logging
 import time
 
+from . import versions
 from .counters import COUNTERS, METRICS_CONTENT_TYPE
 from .verdict import HEADER, VerdictSlot, current_slot, native
 
@@ -26,6 +35,64 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/me
 # A request whose handler never reaches the engine within this long (an engine without the
 # hook, an early error) is released with a "native" verdict rather than held back.
 _UNROUTED_GRACE_S = 3.0
+#: Every route the bridge adds lives under this prefix (rescan, status, metrics).
+ROUTE_PREFIX = "/pd-bridge/"
+
+
+async def _api_key_refusal(scope, receive):
+    """None when oMLX's own API-key check lets the request through, else the response oMLX would
+    give for it (its ``HTTPException`` through the app's own exception handler)."""
+    from fastapi import HTTPException
+    from starlette.requests import Request
+
+    server = importlib.import_module(versions.detect().server)
+    verify, security = getattr(server, "verify_api_key", None), getattr(server, "security", None)
+    request = Request(scope, receive)
+    if verify is None or security is None:  # not the oMLX the table describes: refuse, never open
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"detail": "pd-bridge cannot find oMLX's API key check"}, status_code=500)
+    try:
+        await verify(request, await security(request))
+    except HTTPException as exc:
+        handlers = getattr(getattr(server, "app", None), "exception_handlers", {}) or {}
+        handler = handlers.get(exc.status_code) or next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
+        if handler is None:
+            from fastapi.exception_handlers import http_exception_handler as handler
+        response = handler(request, exc)
+        return await response if inspect.isawaitable(response) else response
+    return None
+
+
+async def _read_body(receive):
+    """The whole request body, and a ``receive`` that replays it to the app (then the real one)."""
+    messages, body = [], b""
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            break
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    return body, replay
+
+
+def _prompts_served(body: bytes) -> int:
+    """How many prompts of a ``/v1/completions`` body reach the engine: each of a list when not
+    streaming; one otherwise (oMLX streams only a list's first prompt)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return 1
+    if not isinstance(doc, dict) or doc.get("stream"):
+        return 1
+    prompt = doc.get("prompt")
+    return len(prompt) if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt) else 1
 
 
 async def _wait_for_verdict(slot: VerdictSlot, since: float) -> None:
@@ -46,6 +113,10 @@ class VerdictMiddleware:
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
         method, path = scope.get("method"), scope.get("path")
+        if isinstance(path, str) and path.startswith(ROUTE_PREFIX):
+            refusal = await _api_key_refusal(scope, receive)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
         if method == "GET" and path == "/api/status":
             return await self._status(scope, receive, send)
         if method == "GET" and path == METRICS_PATH:
@@ -53,7 +124,11 @@ class VerdictMiddleware:
         if method != "POST" or path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
 
-        slot = VerdictSlot()
+        expected = 1
+        if path == "/v1/completions":
+            body, receive = await _read_body(receive)
+            expected = _prompts_served(body)
+        slot = VerdictSlot(expected)
         since = time.monotonic()
         held: list[dict] = []
         released = False
@@ -65,14 +140,18 @@ class VerdictMiddleware:
             if released:
                 return
             released = True
-            verdict = slot.verdict
-            if verdict is None:
-                status = held[0].get("status", 0) if held else 0
+            status = held[0].get("status", 0) if held else 0
+            if not slot.verdicts:
                 verdict = native(f"the request did not reach a text engine (HTTP {status})")
                 COUNTERS.record(verdict)
+                slot.verdicts.append(verdict)
+            while len(slot.verdicts) < slot.expected:  # the response ended before every prompt ran
+                verdict = native(f"the prompt did not reach the engine (HTTP {status})")
+                COUNTERS.record(verdict)
+                slot.verdicts.append(verdict)
             first = held.pop(0) if held and held[0]["type"] == "http.response.start" else {"type": "http.response.start", "status": 200, "headers": []}
             first = dict(first)
-            first["headers"] = [*first.get("headers", []), (HEADER.encode(), verdict.header().encode())]
+            first["headers"] = [*first.get("headers", []), (HEADER.encode(), slot.header().encode())]
             await send(first)
             while held:
                 await send(held.pop(0))

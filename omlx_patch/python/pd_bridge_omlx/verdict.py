@@ -4,6 +4,11 @@
 took them as a prefix hit. ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
 reason="..."`` — a bridge was tried and nothing was used. ``native; reason="..."`` — no bridge
 was tried. The kind is the first word, so a client can switch on it.
+
+A request with several prompts (``/v1/completions`` with a list of prompts) gets one verdict per
+prompt, in the prompts' order, separated by ``", "`` (an HTTP list): ``native; reason="...",
+complete; blocks=7; tokens=1792``. A reason never holds a comma, so splitting on ``", "`` is
+exact (``split_header``).
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ HEADER = "x-pd-bridge"
 
 
 def _quote(text: str) -> str:
-    # Header-safe: printable ASCII, no quotes or backslashes, bounded.
-    clean = "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else "?" for c in str(text))
+    # Header-safe: printable ASCII, no quotes or backslashes, bounded; no commas, which separate
+    # the verdicts of a request with several prompts.
+    clean = "".join((";" if c == "," else c) if 32 <= ord(c) < 127 and c not in '"\\' else "?" for c in str(text))
     return '"' + (clean[:300] + "..." if len(clean) > 300 else clean) + '"'
 
 
@@ -46,23 +52,38 @@ def native(reason: str, request_id: str = "") -> Verdict:
     return Verdict("native", reason, request_id=request_id)
 
 
-class VerdictSlot:
-    """One HTTP request's verdict, shared between the engine hook (which decides it) and the
-    response middleware (which waits for it before sending headers)."""
+def split_header(value: str) -> list[str]:
+    """The verdicts in an ``X-PD-Bridge`` value, one per prompt, in order."""
+    return value.split(", ")
 
-    def __init__(self) -> None:
-        self.verdict: Verdict | None = None
+
+class VerdictSlot:
+    """One HTTP request's verdicts, one per prompt that reached the engine (in the order the
+    prompts reached it: oMLX runs a request's prompts one after another), shared between the
+    engine hook (which decides each) and the response middleware (which waits for all
+    ``expected`` of them before sending headers)."""
+
+    def __init__(self, expected: int = 1) -> None:
+        self.verdicts: list[Verdict] = []
+        self.expected = max(1, expected)
         self.pending = False  # an engine request started deciding
         self.decided = asyncio.Event()
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The first prompt's verdict (None before it is decided)."""
+        return self.verdicts[0] if self.verdicts else None
 
     def begin(self) -> None:
         self.pending = True
 
     def set(self, verdict: Verdict) -> None:
-        # A request with several prompts keeps its first verdict.
-        if self.verdict is None:
-            self.verdict = verdict
-        self.decided.set()
+        self.verdicts.append(verdict)
+        if len(self.verdicts) >= self.expected:
+            self.decided.set()
+
+    def header(self) -> str:
+        return ", ".join(v.header() for v in self.verdicts)
 
 
 current_slot: contextvars.ContextVar[VerdictSlot | None] = contextvars.ContextVar("pd_bridge_verdict_slot", default=None)
