@@ -4,8 +4,10 @@ oMLX builds its prefix-cache index once, when a model loads, and trusts every fi
 This adapter (active only with ``PD_BRIDGE_OMLX=1``) makes these changes through oMLX's own
 objects, without touching its files:
 
-- every block file is validated by the Rust core before oMLX may index it; a file that fails
-  is logged with the reason and never served;
+- every block file is validated by the Rust core before oMLX may index it (never following a
+  link, never opening a FIFO); a file that fails is logged with the reason and never served;
+- when oMLX creates its SSD cache for a directory, temp files a crashed bridge writer left
+  there are removed (only the writer's own hidden pattern, never one still being written);
 - ``EngineCore.add_request`` first runs the bridge (``bridge.py``): a cold long prompt is
   prefilled on the vLLM host and its blocks registered before oMLX looks for a prefix hit;
 - every generation response carries ``X-PD-Bridge`` with the verdict (``middleware.py``);
@@ -26,7 +28,7 @@ import threading
 from pathlib import Path
 
 from . import versions
-from ._native import BlockRejected, inspect_block
+from ._native import BlockRejected, ConfigError, clean_stale_temps, inspect_block
 from .versions import UnsupportedOmlxError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("pd_bridge_omlx")
@@ -75,8 +77,37 @@ def install_cache_guard() -> None:
 
         guarded.__wrapped__ = original
         setattr(owner, attr, guarded)
+        _install_temp_sweep(owner)
         _installed["cache"] = True
         logger.info("pd-bridge: block validation active for oMLX %s", check_version())
+
+
+def _sweep_temps(cache_dir) -> None:
+    try:
+        removed = clean_stale_temps(str(cache_dir))
+    except Exception:  # never fail oMLX's cache start-up
+        logger.exception("pd-bridge: sweeping stale temp files in %s failed", cache_dir)
+        return
+    for path in removed:
+        logger.info("pd-bridge: removed stale block temp file %s", path)
+
+
+def _install_temp_sweep(owner) -> None:
+    """Sweep a cache directory's stale writer temp files when oMLX sets the directory up, just
+    before its own start-up scan (both supported oMLX releases call ``_init_directories``)."""
+    original = getattr(owner, "_init_directories", None)
+    if original is None:
+        logger.warning("pd-bridge: %s has no _init_directories; stale temp files are swept at the first rescan or bridge", owner.__name__)
+        return
+
+    def init_directories(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if getattr(self, "_cache_dir", None):
+            _sweep_temps(self._cache_dir)
+        return out
+
+    init_directories.__wrapped__ = original
+    owner._init_directories = init_directories
 
 
 class Admissions:
@@ -211,18 +242,21 @@ def install_bridge() -> None:
         logger.info("pd-bridge: decode-side bridge active (%s)", get_bridge().describe())
 
 
-def register_block(manager, path: Path, model_name: str | None, block_size: int | None) -> int | None:
+def register_block(manager, path: Path, model_name: str | None, block_size: int | None, model_dir: str | None = None, move_bad: bool = False) -> int | None:
     """Put one block file into oMLX's SSD index, validated first (against the installed oMLX's
-    block format, and the model and block size when given) and, where this oMLX has one, passed
-    through its own compatibility check (upstream's cache signature). Returns its size, or None
-    when oMLX already knew it. Raises ``BlockRejected`` when it must not be served."""
+    block format, the model and block size when given, and with ``model_dir`` every tensor's
+    dtype and shape against the decoder's plan) and, where this oMLX has one, passed through
+    its own compatibility check (upstream's cache signature). Returns its size, or None when
+    oMLX already knew it. Raises ``BlockRejected`` when it must not be served; ``move_bad``: a
+    link, FIFO, directory or corrupt file on the name is moved into the quarantine first."""
     try:
         digest = bytes.fromhex(path.stem)
     except ValueError:
         digest = None
     if digest is not None and manager._index.contains(digest):
         return None
-    inspect_block(str(path), model_name=model_name, block_size=block_size, omlx_format=omlx_format())
+    inspect_block(str(path), model_name=model_name, block_size=block_size, omlx_format=omlx_format(), model_dir=model_dir,
+                  cache_dir=str(manager._cache_dir), move_bad=move_bad)  # fmt: skip
     # Validated just above with the stricter expectations: read the metadata with oMLX's own
     # reader, not through the guard that would validate the file a second time.
     read = type(manager)._read_file_metadata
@@ -244,19 +278,29 @@ def register_block(manager, path: Path, model_name: str | None, block_size: int 
     return meta.file_size
 
 
-def rescan(manager, model_name: str | None = None, block_size: int | None = None) -> dict:
+def rescan(manager, model_name: str | None = None, block_size: int | None = None, model_dir: str | None = None) -> dict:
     """Index block files in ``manager``'s cache directory that it does not know yet.
 
-    Each is validated (and, when given, checked against the model and block size) first.
+    Each is validated (and, when given, checked against the model, block size and the plan of
+    the decoder in ``model_dir``) first, without following links or opening FIFOs. A file that
+    can never be a block (a link, FIFO, directory, corrupt or misshapen file) is moved into the
+    cache's quarantine directory, so the bridge can write the real block on its name; a sound
+    block of another model is left alone. Stale writer temp files are swept first.
     Returns ``{"registered": [...], "rejected": [[path, reason], ...], "known": n}``.
     """
     registered, rejected, known = [], [], 0
     root = Path(manager._cache_dir)
+    _sweep_temps(root)
     for sub in manager.SUBDIR_CHARS:
         for path in sorted((root / sub).glob("*.safetensors")):
             try:
                 with index_lock:
-                    size = register_block(manager, path, model_name, block_size)
+                    try:
+                        size = register_block(manager, path, model_name, block_size, model_dir=model_dir, move_bad=True)
+                    except ConfigError as e:  # a model the core has no plan for: names and framing only
+                        logger.warning("pd-bridge: rescan checks no tensor shapes: %s", e)
+                        model_dir = None
+                        size = register_block(manager, path, model_name, block_size, move_bad=True)
             except BlockRejected as e:
                 logger.warning("pd-bridge: not serving block %s", e)
                 rejected.append([str(path), str(e)])
@@ -308,7 +352,9 @@ def install_routes() -> None:
             manager = getattr(scheduler, "paged_ssd_cache_manager", None)
             if manager is None:
                 raise HTTPException(status_code=409, detail=f"model {model_id!r} has no SSD prefix cache (start oMLX with --paged-ssd-cache-dir)")
-            return rescan(manager, model_name=cache_model_name(entry, scheduler), block_size=scheduler.config.paged_cache_block_size)
+            model_dir = getattr(entry, "model_path", None)
+            return rescan(manager, model_name=cache_model_name(entry, scheduler), block_size=scheduler.config.paged_cache_block_size,
+                          model_dir=str(model_dir) if model_dir and (Path(model_dir) / "config.json").is_file() else None)  # fmt: skip
 
         def status_route():
             from .bridge import get_bridge

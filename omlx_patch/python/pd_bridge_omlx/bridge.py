@@ -361,16 +361,17 @@ class Bridge:
         except PrefillUnavailable as e:
             return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0, ids
         t_decided = time.perf_counter()
-        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot)
+        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir)
         verdict.phases["decide"] = t_decided - t0
         return verdict, nbytes, ids
 
-    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot) -> tuple[Verdict, int]:
+    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot, model_dir: str | None = None) -> tuple[Verdict, int]:
         cfg = self.cfg
         capture_id = f"pdb-{request_id}-{uuid.uuid4().hex[:8]}"
         cache_dir = Path(ssd._cache_dir)
         model_name = pcm.model_name
-        writer = BlockWriter(str(cache_dir), model_name, block_size, ids, self.version.omlx_format)
+        # model_dir: every segment is checked against the decoder's plan before it is written.
+        writer = BlockWriter(str(cache_dir), model_name, block_size, ids, self.version.omlx_format, model_dir=model_dir)
         control = IngestControl()
         registered: list[int] = []
         problems: list[str] = []
