@@ -8,9 +8,10 @@
 //! the Python side's own lines do, and its pathname/lineno are the Rust source's.
 //!
 //! Cheap when the level is off: an event below the level Python's loggers let through is dropped
-//! by one atomic load, before any field is formatted. That level is read from Python at every
-//! binding entry point ([`crate::guard`]), so `logging.getLogger("pd_bridge").setLevel(...)`
-//! applies from the next call into the module on.
+//! by one atomic load, before any field is formatted. That level is read from Python by the
+//! binding entry points ([`crate::guard`]), at most every [`REFRESH_MS`] ms (reading it costs a
+//! few microseconds, too much for every `feed`), so `logging.getLogger("pd_bridge").setLevel(...)`
+//! applies from the first call into the module that much later.
 //!
 //! Events are handed to Python from a thread of their own ("pd-bridge-log"): the thread that
 //! emits one may hold a core lock that a Python thread (holding the interpreter) waits for, so it
@@ -36,6 +37,8 @@ use tracing_subscriber::registry::LookupSpan;
 
 /// Events queued for Python at most; past this they are counted, not kept.
 pub const QUEUE: usize = 4096;
+/// Longest a level set in Python goes unnoticed while the module is being called.
+pub const REFRESH_MS: u64 = 100;
 
 /// Least tracing level forwarded, as [`rank`]: 0 trace ... 4 error, 5 none. Until Python's level
 /// is first read: warnings and errors (Python's default).
@@ -43,6 +46,9 @@ static FLOOR: AtomicU8 = AtomicU8::new(3);
 /// Set at interpreter exit: nothing is handed to Python after it.
 static STOPPED: AtomicBool = AtomicBool::new(false);
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+/// When the level was last read, in ms since [`EPOCH`] plus one (0: never).
+static LAST_REFRESH: AtomicU64 = AtomicU64::new(0);
+static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
 
 /// Tests that set [`FLOOR`] (or read Python's level into it) run one at a time.
 #[cfg(test)]
@@ -229,12 +235,13 @@ where
 const HELPERS: &std::ffi::CStr = cr#"
 import logging
 
-_LOGGERS = ("pd_bridge", "pd_bridge.core", "pd_bridge.bindings", "pd_bridge.omlx", "pd_bridge.vllm")
+_LOGGERS = [logging.getLogger(n) for n in ("pd_bridge.core", "pd_bridge.bindings", "pd_bridge.omlx", "pd_bridge.vllm")]
 
 
 def floor():
-    level = min(logging.getLogger(n).getEffectiveLevel() for n in _LOGGERS)
-    return max(level, logging.root.manager.disable + 1)
+    level = min(lg.getEffectiveLevel() for lg in _LOGGERS)
+    disable = logging.root.manager.disable
+    return level if level > disable else disable + 1
 
 
 def emit(name, levelno, pathname, lineno, msg, request_id, fields):
@@ -273,7 +280,7 @@ pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
         let stop = PyCFunction::new_closure(py, None, None, |_args, _kwargs| STOPPED.store(true, Ordering::SeqCst))?;
         py.import("atexit")?.call_method1("register", (stop,))?;
     }
-    refresh_level();
+    read_level();
     Ok(())
 }
 
@@ -283,8 +290,19 @@ pub fn request_span(request_id: &str) -> tracing::Span {
     tracing::info_span!("request", request_id = %request_id)
 }
 
-/// Read the least level pd-bridge's Python loggers let through (called at each entry point).
+/// Read the least level pd-bridge's Python loggers let through, unless it was read less than
+/// [`REFRESH_MS`] ago (called at each entry point).
 pub fn refresh_level() {
+    let now = EPOCH.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64 + 1;
+    let last = LAST_REFRESH.load(Ordering::Relaxed);
+    if last != 0 && now.saturating_sub(last) < REFRESH_MS {
+        return;
+    }
+    LAST_REFRESH.store(now, Ordering::Relaxed);
+    read_level();
+}
+
+fn read_level() {
     Python::attach(|py| {
         if let Some((floor, _)) = helpers(py) {
             if let Ok(level) = floor.call0(py).and_then(|v| v.extract::<i64>(py)) {

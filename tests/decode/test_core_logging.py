@@ -23,6 +23,13 @@ pd_bridge_vllm = engines.require("pd_bridge_vllm")
 TOKEN = b"logging-test-secret"
 
 
+def set_level(caplog, level: int) -> None:
+    """Set pd-bridge's loggers to ``level``; the bindings re-read it at most every 100 ms
+    (logging.rs REFRESH_MS), so the next call into a wheel after that uses it."""
+    caplog.set_level(level, logger="pd_bridge")
+    time.sleep(0.25)
+
+
 def wait_for(caplog, match, timeout: float = 60.0) -> logging.LogRecord:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -43,7 +50,7 @@ def refused_pull(tmp_path, request_id: str) -> pd_bridge_omlx.PdBridgeError:
 
 
 def test_a_core_error_reaches_logging_with_its_request_id(caplog, tmp_path):
-    caplog.set_level(logging.DEBUG, logger="pd_bridge")
+    set_level(caplog, logging.DEBUG)
     rid = "log-req-refused-1"
     err = refused_pull(tmp_path, rid)
     assert type(err).__name__ in ("WireError", "AuthError"), repr(err)  # typed, not the bare base
@@ -60,13 +67,13 @@ def test_both_wheels_forward_and_honour_the_level(caplog, tmp_path, models):
     loaded = lambda r: r.name == "pd_bridge.core.weights" and "decoder weights loaded" in r.getMessage()  # noqa: E731
     # DEBUG is off: the weights' debug event is dropped in Rust; a later warning from the same
     # wheel (the refused pull) arrives, so the dropped one would have arrived before it.
-    caplog.set_level(logging.WARNING, logger="pd_bridge")
+    set_level(caplog, logging.WARNING)
     pd_bridge_vllm.Weights.load(model)
     refused_pull(tmp_path, "log-req-barrier")
     wait_for(caplog, lambda r: getattr(r, "request_id", None) == "log-req-barrier")
     assert not any(loaded(r) for r in caplog.records)
     # DEBUG on: each wheel's own copy of the core forwards it, without a request id.
-    caplog.set_level(logging.DEBUG, logger="pd_bridge")
+    set_level(caplog, logging.DEBUG)
     for wheel in (pd_bridge_vllm, pd_bridge_omlx):
         caplog.clear()
         wheel.Weights.load(model)
