@@ -30,6 +30,24 @@ impl Assembler {
         Assembler { keep: layout == PoolLayout::Full, ..Self::default() }
     }
 
+    /// An assembler for a stream resumed at a block boundary (multi-turn): `pool_rows[layer][pool]`
+    /// pooled rows exist before it ([`crate::carry::CarryState::pool_rows`]), so the first delta
+    /// must start there. Only for delta-pool blocks (upstream): a full-pool block (the fork) would
+    /// need every earlier pooled row, which a carry state does not hold.
+    pub fn resuming(layout: PoolLayout, pool_rows: &[Vec<u64>]) -> Result<Self> {
+        if layout == PoolLayout::Full {
+            return Err(CoreError::Carry {
+                what: crate::carry::CarryField::Format,
+                reason: "full-pool blocks (fork-0.7.0) need every pooled row before the resume point; only delta-pool blocks resume".into(),
+            });
+        }
+        Ok(Assembler {
+            pools: pool_rows.iter().map(|p| vec![Vec::new(); p.len()]).collect(),
+            rows: pool_rows.iter().map(|p| p.iter().map(|&r| r as usize).collect()).collect(),
+            keep: false,
+        })
+    }
+
     /// Take in a segment's pool deltas (validated first; nothing changes on error).
     pub fn absorb(&mut self, seg: &Segment) -> Result<()> {
         let layers = &seg.header.layers;

@@ -56,6 +56,8 @@ pub enum CarryField {
     Plan,
     /// The block file it is read from is invalid or not what it should be.
     Block,
+    /// Taken at the end of another prefix (its chain hash is not this prompt's).
+    Prefix,
 }
 
 impl std::fmt::Display for CarryField {
@@ -68,6 +70,7 @@ impl std::fmt::Display for CarryField {
             CarryField::Position => "position",
             CarryField::Plan => "model plan",
             CarryField::Block => "block file",
+            CarryField::Prefix => "prefix",
         })
     }
 }
@@ -311,6 +314,18 @@ impl CarryState {
             }
         }
         Ok(())
+    }
+
+    /// Per layer, per pool (compressor, then indexer): the pooled rows before the resume point,
+    /// where the decode host's continuity checks of a resumed stream start (KV layers: none).
+    pub fn pool_rows(&self) -> Vec<Vec<u64>> {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCarry::V4(c) => c.pools.iter().map(|p| p.pooled_rows as u64).collect(),
+                LayerCarry::Kv => Vec::new(),
+            })
+            .collect()
     }
 
     /// The carry state as bytes (see the module docs).

@@ -619,7 +619,9 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
         stream.set_read_timeout(Some(pull.timeout)).and_then(|_| stream.set_write_timeout(Some(pull.timeout))).map_err(|e| CoreError::wire(e.to_string()))?;
         let cancelled = |e: CoreError| if control.is_cancelled() { CoreError::wire("cancelled by the decode host") } else { e };
         let channel = secure::connect(stream, &key, pull.request_id).map_err(cancelled)?;
-        let mut reader = SegmentReader::with_limits(channel, pull.request_id, pull.fingerprint, pull.limits);
+        // A writer resumed at a block boundary expects the stream from there (else block 0).
+        let first = writer.next_block();
+        let mut reader = SegmentReader::with_limits(channel, pull.request_id, pull.fingerprint, pull.limits).starting_at(first as u32, (first * writer.block_size()) as u64);
         loop {
             match reader.next_event().map_err(cancelled)? {
                 Event::Segment(seg) => {

@@ -295,3 +295,152 @@ fn carry_state_size() {
         assert_eq!(CarryState::decode(&bytes).unwrap(), carry);
     }
 }
+
+/// The decode side takes a resumed stream (upstream format): a writer resumed from the same carry
+/// state admits the stream from block `S / block` with pool deltas from the carried rows, and
+/// writes the same block files as writing the whole prompt directly. Without the resume, or from
+/// a carry state of another prefix or format, it refuses.
+#[test]
+fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
+    use pd_bridge_core::wire::{send_seal, send_segment, Event, SegmentReader};
+    for (w, block, s, prompt) in [(v4(), 100, 300, 777), (v4(), 128, 256, 700), (mla(), 64, 128, 400)] {
+        let hidden = w.plan.hidden_size();
+        let x = inputs(&w, prompt, 21);
+        let tokens: Vec<u32> = (0..prompt as u32).map(|t| t * 7 + 1).collect();
+        // Direct: every block of the prompt from a full cache.
+        let direct = temp_dir("resume-direct");
+        let wd = BlockWriter::with_format(UP, &direct, "tiny", block, &tokens).unwrap();
+        let mut full = CacheBuilder::new(w.clone(), DecoderSteps::for_format(UP, block).unwrap());
+        let mut paths = Vec::new();
+        for k in 0..prompt / block {
+            for (l, rows) in x.iter().enumerate() {
+                full.feed(l, k * block, &rows[k * block * hidden..(k + 1) * block * hidden]).unwrap();
+            }
+            paths.push(wd.write(k, full.layers()).unwrap().path);
+        }
+        wd.flush().unwrap();
+
+        // The decoder holds the blocks before S; the prefill host resumes from their carry state.
+        let (held, _) = decoder_side(&w, UP, block, &x, s);
+        let carry = CarryState::from_block_file(&held, &w.plan, &w.fingerprint, UP, block, s).unwrap();
+        let cap = Capture::resume(UP, w.clone(), "req", prompt, block, &carry).unwrap();
+        let out = drive(cap, &x, hidden, prompt, 0, &[s + 3, s + block + 1]);
+        let mut wire = Vec::new();
+        for seg in &out.segments {
+            send_segment(&mut wire, seg).unwrap();
+        }
+        send_seal(&mut wire, &out.seal).unwrap();
+
+        // A writer that does not know the stream resumed refuses its first segment.
+        let fresh = BlockWriter::with_format(UP, temp_dir("resume-fresh"), "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
+        let e = fresh.write_segment(&out.segments[0]).unwrap_err().to_string();
+        assert!(e.contains("block"), "{e}");
+
+        let dir = temp_dir("resume-streamed");
+        let ws = BlockWriter::with_format(UP, &dir, "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
+        ws.resume_at(&carry).unwrap();
+        assert_eq!(ws.next_block(), s / block);
+        let mut reader = SegmentReader::new(&wire[..], "req", &w.fingerprint).starting_at((s / block) as u32, s as u64);
+        let mut written = 0;
+        loop {
+            match reader.next_event().unwrap() {
+                Event::Segment(seg) => {
+                    let p = ws.write_segment(&seg).unwrap().path;
+                    ws.flush().unwrap();
+                    common::assert_same_block(&p, &paths[seg.header.index as usize]);
+                    written += 1;
+                }
+                Event::Seal(seal) => {
+                    assert_eq!(seal, Seal::Complete { blocks: (prompt / block) as u32, tokens: (prompt / block * block) as u64 });
+                    break;
+                }
+            }
+        }
+        assert_eq!(written, prompt / block - s / block);
+        // Once a segment was admitted, no resume; a carry state of another prefix, never.
+        assert!(ws.resume_at(&carry).is_err());
+        let other: Vec<u32> = tokens.iter().map(|t| t + 1).collect();
+        let wo = BlockWriter::with_format(UP, temp_dir("resume-other"), "tiny", block, &other).unwrap();
+        assert_eq!(what(wo.resume_at(&carry).unwrap_err()), CarryField::Prefix);
+    }
+    // The fork's full-pool blocks would need every earlier pooled row: refused by name.
+    let w = v4();
+    let x = inputs(&w, 512, 22);
+    let (_, fork_carry) = decoder_side(&w, FORK, 128, &x, 256);
+    let tokens: Vec<u32> = (0..512u32).map(|t| t * 7 + 1).collect();
+    let wf = BlockWriter::with_format(FORK, temp_dir("resume-fork"), "tiny", 128, &tokens).unwrap();
+    let e = wf.resume_at(&fork_carry).unwrap_err();
+    assert!(e.to_string().contains("full-pool"), "{e}");
+    assert_eq!(what(e), CarryField::Format);
+}
+
+/// Over loopback TCP, as the bridge runs it: the prefill host serves a capture resumed at `S`,
+/// the decode host's `ingest` into a writer resumed from the same carry state writes blocks
+/// `S / block ..` identical to writing the whole prompt directly.
+#[test]
+fn resumed_capture_ingests_over_tcp() {
+    use pd_bridge_core::stream::{ingest, IngestControl, Pull, SegmentServer};
+    use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest};
+    let w = v4();
+    let (block, s, prompt) = (128, 256, 700);
+    let hidden = w.plan.hidden_size();
+    let x = inputs(&w, prompt, 23);
+    let tokens: Vec<u32> = (0..prompt as u32).map(|t| t * 7 + 1).collect();
+    let direct = temp_dir("resume-tcp-direct");
+    let wd = BlockWriter::with_format(UP, &direct, "tiny", block, &tokens).unwrap();
+    let mut full = CacheBuilder::new(w.clone(), DecoderSteps::for_format(UP, block).unwrap());
+    let mut paths = Vec::new();
+    for k in 0..prompt / block {
+        for (l, rows) in x.iter().enumerate() {
+            full.feed(l, k * block, &rows[k * block * hidden..(k + 1) * block * hidden]).unwrap();
+        }
+        paths.push(wd.write(k, full.layers()).unwrap().path);
+    }
+    wd.flush().unwrap();
+    let (held, _) = decoder_side(&w, UP, block, &x, s);
+    let carry_bytes = CarryState::from_block_file(&held, &w.plan, &w.fingerprint, UP, block, s).unwrap().encode();
+
+    let secret = CaptureSecret::from_hex(&"5e".repeat(32)).unwrap();
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), std::time::Duration::from_secs(20)).unwrap();
+    let outbox = server.outbox("req", &secret, &w.fingerprint, &PromptDigest::of(&tokens)).unwrap();
+    let (wp, xp, bytes) = (w.clone(), x.clone(), carry_bytes.clone());
+    let producer = std::thread::spawn(move || {
+        let mut cap = Capture::with_format(UP, wp.clone(), "req", prompt, block).unwrap();
+        cap.resume_at(&CarryState::decode(&bytes).unwrap()).unwrap();
+        // vLLM's own prefix cache ended at token 200: it recomputes from there.
+        let mut start = 200;
+        while start < prompt {
+            let end = (start + 90).min(prompt);
+            for (l, rows) in xp.iter().enumerate() {
+                cap.feed(l, start, &rows[start * hidden..end * hidden]).unwrap();
+            }
+            for seg in cap.take_ready() {
+                outbox.push(seg);
+            }
+            start = end;
+        }
+        outbox.seal(cap.seal(None));
+    });
+    let dir = temp_dir("resume-tcp");
+    let writer = BlockWriter::with_format(UP, &dir, "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
+    writer.resume_at(&CarryState::decode(&carry_bytes).unwrap()).unwrap();
+    let pull = Pull {
+        addr: server.local_addr(),
+        token: b"tok",
+        secret: &secret,
+        request_id: "req",
+        fingerprint: &w.fingerprint,
+        prompt: PromptDigest::of(&tokens),
+        limits: FrameLimits::for_plan(&w.plan, UP, block),
+        timeout: std::time::Duration::from_secs(20),
+    };
+    let mut got = Vec::new();
+    let done = ingest(&pull, &writer, &IngestControl::default(), |i| got.push(i));
+    producer.join().unwrap();
+    assert_eq!(done.outcome.unwrap(), Seal::Complete { blocks: 5, tokens: 640 });
+    assert_eq!(got, vec![2, 3, 4]);
+    for i in got {
+        let hex = writer.hash(i).unwrap().hex();
+        common::assert_same_block(&dir.join(&hex[..1]).join(format!("{hex}.safetensors")), &paths[i]);
+    }
+}

@@ -108,6 +108,48 @@ impl BlockWriter {
         Ok(self)
     }
 
+    /// Continue this request's stream at the block boundary `carry.position` (multi-turn): the
+    /// decoder holds the blocks before it, the prefill host resumed its capture from the same
+    /// carry state, so the next segment is block `S / block_size` and its pool deltas start at
+    /// the carried rows. Refused (nothing changes) once a segment was admitted, or for a carry
+    /// state of another format, block size or prefix (its chain hash must be this prompt's block
+    /// ending at `S`), or past the prompt's full blocks. Delta-pool formats only (upstream).
+    pub fn resume_at(&self, carry: &crate::carry::CarryState) -> Result<()> {
+        use crate::carry::CarryField;
+        let refuse = |what: CarryField, reason: String| Err(CoreError::Carry { what, reason });
+        let mut st = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        if st.next != 0 {
+            return Err(CoreError::input(0, format!("{} segments were already admitted; only a fresh stream resumes", st.next)));
+        }
+        if carry.format != self.format {
+            return refuse(CarryField::Format, format!("made for {:?}, this writer writes {:?}", carry.format.name(), self.format.name()));
+        }
+        if carry.block_size != self.block_size {
+            return refuse(CarryField::BlockSize, format!("made for {}-token blocks, this writer's are {}", carry.block_size, self.block_size));
+        }
+        let s = carry.position;
+        if s == 0 || s % self.block_size != 0 || s / self.block_size > self.chain.len() {
+            return refuse(CarryField::Position, format!("resume point {s} is not a block boundary within this prompt's {} blocks", self.chain.len()));
+        }
+        let ours = self.chain[s / self.block_size - 1];
+        if let Some(theirs) = carry.chain_hash.filter(|h| *h != ours) {
+            return refuse(CarryField::Prefix, format!("taken at the end of block {}, this prompt's block ending at {s} is {}", theirs.hex(), ours.hex()));
+        }
+        if let Some(plan) = &self.plan {
+            carry.check(plan)?;
+        }
+        let rows = carry.pool_rows();
+        st.asm = Assembler::resuming(self.format.pool_layout(), &rows)?;
+        st.pool_rows = rows;
+        st.next = (s / self.block_size) as u64;
+        Ok(())
+    }
+
+    /// The block the stream's next segment must carry (0, or where it resumed, plus those admitted).
+    pub fn next_block(&self) -> usize {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner()).next as usize
+    }
+
     pub fn plan(&self) -> Option<&ModelPlan> {
         self.plan.as_ref()
     }

@@ -67,6 +67,14 @@ impl<F: FrameSource> SegmentReader<F> {
         SegmentReader { inner, limits, request_id: request_id.into(), fingerprint: fingerprint.into(), next_index: 0, next_start: 0, sealed: false }
     }
 
+    /// Expect the stream to start at segment `index`, token `start` (a capture resumed at a block
+    /// boundary: the decoder holds the blocks before it).
+    pub fn starting_at(mut self, index: u32, start: u64) -> Self {
+        self.next_index = index;
+        self.next_start = start;
+        self
+    }
+
     pub fn get_ref(&self) -> &F {
         &self.inner
     }
