@@ -176,6 +176,23 @@ impl BlockWriter {
         })
     }
 
+    /// Continue this request's stream at the block boundary the carry state names (multi-turn
+    /// resume; `carry_state`: the bytes `carry_state()` read from the held block ending there and
+    /// sent to the prefill host): the next segment must be that block, `ingest` pulls from there.
+    /// Call it before the first segment. Raises `PdBridgeError` for a carry state of another
+    /// format, block size or prefix (its chain hash must be this prompt's block), past the prompt,
+    /// or for the fork's full-pool blocks (not resumable). Returns the next block's index.
+    fn resume(&self, py: Python<'_>, carry_state: &[u8]) -> PyResult<usize> {
+        guard(|| {
+            py.detach(|| {
+                let carry = pd_bridge_core::carry::CarryState::decode(carry_state)?;
+                self.inner.resume_at(&carry)?;
+                Ok(self.inner.next_block())
+            })
+            .map_err(to_py)
+        })
+    }
+
     /// Whether segments are checked against the decoder's plan (a `model_dir` was given).
     #[getter]
     fn checks_plan(&self) -> PyResult<bool> {

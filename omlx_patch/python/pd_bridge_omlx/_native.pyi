@@ -92,6 +92,12 @@ class BlockWriter:
         them; ``omlx_format``: the block format to write (``omlx_formats()``; default the fork's);
         ``model_dir``: the decoder's model directory, whose ``config.json`` plan every received
         segment and every file found on a block's name is checked against."""
+    def resume(self, carry_state: bytes) -> int:
+        """Continue this request's stream at the block boundary the carry state names (the bytes
+        ``carry_state()`` read from the held block, also sent to the prefill host): the next
+        segment must be that block, and ``ingest`` pulls from there. Call it before the first
+        segment. Raises PdBridgeError for a carry state of another format, block size or prefix,
+        past the prompt, or for the fork's full-pool blocks. Returns the next block's index."""
     @property
     def checks_plan(self) -> bool:
         """Whether segments are checked against the decoder's plan (a ``model_dir`` was given)."""
