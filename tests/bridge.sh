@@ -170,6 +170,8 @@ case "${1:-}" in
     setup test
     log "Rust tests"
     cargo test -p pd-bridge-core --release
+    # The Python boundary both wheels share: error mapping, panic guard (every entry point), logging.
+    cargo test -p pd-bridge-bindings --release
     log "decode-side tests (real MLX / upstream oMLX)"
     run_pytest decode tests/decode
     log "decode-side tests (real MLX / the flyto-mlx fork)"

@@ -45,7 +45,8 @@ def refused_pull(tmp_path, request_id: str) -> pd_bridge_omlx.PdBridgeError:
     server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN, idle_seconds=0.5)
     writer = pd_bridge_omlx.BlockWriter(str(tmp_path / "cache"), "m", 16, list(range(64)), "upstream-0.6.3")
     with pytest.raises(pd_bridge_omlx.PdBridgeError) as err:
-        pd_bridge_omlx.ingest("127.0.0.1", server.port, TOKEN, request_id, "sha256:" + "0" * 64, writer, timeout_seconds=30)
+        pd_bridge_omlx.ingest("127.0.0.1", server.port, TOKEN, request_id, "sha256:" + "0" * 64, writer, timeout_seconds=30,
+                              secret=pd_bridge_omlx._native.capture_secret(), token_ids=list(range(64)))  # fmt: skip
     return err.value
 
 
