@@ -303,14 +303,15 @@ fn carry_state_size() {
 #[test]
 fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
     use pd_bridge_core::wire::{send_seal, send_segment, Event, SegmentReader};
-    for (w, block, s, prompt) in [(v4(), 100, 300, 777), (v4(), 128, 256, 700), (mla(), 64, 128, 400)] {
+    // MLA has no pools, so the fork's format resumes too.
+    for (w, f, block, s, prompt) in [(v4(), UP, 100, 300, 777), (v4(), UP, 128, 256, 700), (mla(), UP, 64, 128, 400), (mla(), FORK, 64, 128, 400)] {
         let hidden = w.plan.hidden_size();
         let x = inputs(&w, prompt, 21);
         let tokens: Vec<u32> = (0..prompt as u32).map(|t| t * 7 + 1).collect();
         // Direct: every block of the prompt from a full cache.
         let direct = temp_dir("resume-direct");
-        let wd = BlockWriter::with_format(UP, &direct, "tiny", block, &tokens).unwrap();
-        let mut full = CacheBuilder::new(w.clone(), DecoderSteps::for_format(UP, block).unwrap());
+        let wd = BlockWriter::with_format(f, &direct, "tiny", block, &tokens).unwrap();
+        let mut full = CacheBuilder::new(w.clone(), DecoderSteps::for_format(f, block).unwrap());
         let mut paths = Vec::new();
         for k in 0..prompt / block {
             for (l, rows) in x.iter().enumerate() {
@@ -321,9 +322,9 @@ fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
         wd.flush().unwrap();
 
         // The decoder holds the blocks before S; the prefill host resumes from their carry state.
-        let (held, _) = decoder_side(&w, UP, block, &x, s);
-        let carry = CarryState::from_block_file(&held, &w.plan, &w.fingerprint, UP, block, s).unwrap();
-        let cap = Capture::resume(UP, w.clone(), "req", prompt, block, &carry).unwrap();
+        let (held, _) = decoder_side(&w, f, block, &x, s);
+        let carry = CarryState::from_block_file(&held, &w.plan, &w.fingerprint, f, block, s).unwrap();
+        let cap = Capture::resume(f, w.clone(), "req", prompt, block, &carry).unwrap();
         let out = drive(cap, &x, hidden, prompt, 0, &[s + 3, s + block + 1]);
         let mut wire = Vec::new();
         for seg in &out.segments {
@@ -332,12 +333,12 @@ fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
         send_seal(&mut wire, &out.seal).unwrap();
 
         // A writer that does not know the stream resumed refuses its first segment.
-        let fresh = BlockWriter::with_format(UP, temp_dir("resume-fresh"), "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
+        let fresh = BlockWriter::with_format(f, temp_dir("resume-fresh"), "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
         let e = fresh.write_segment(&out.segments[0]).unwrap_err().to_string();
         assert!(e.contains("block"), "{e}");
 
         let dir = temp_dir("resume-streamed");
-        let ws = BlockWriter::with_format(UP, &dir, "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
+        let ws = BlockWriter::with_format(f, &dir, "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
         ws.resume_at(&carry).unwrap();
         assert_eq!(ws.next_block(), s / block);
         let mut reader = SegmentReader::new(&wire[..], "req", &w.fingerprint).starting_at((s / block) as u32, s as u64);
@@ -360,7 +361,7 @@ fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
         // Once a segment was admitted, no resume; a carry state of another prefix, never.
         assert!(ws.resume_at(&carry).is_err());
         let other: Vec<u32> = tokens.iter().map(|t| t + 1).collect();
-        let wo = BlockWriter::with_format(UP, temp_dir("resume-other"), "tiny", block, &other).unwrap();
+        let wo = BlockWriter::with_format(f, temp_dir("resume-other"), "tiny", block, &other).unwrap();
         assert_eq!(what(wo.resume_at(&carry).unwrap_err()), CarryField::Prefix);
     }
     // The fork's full-pool blocks would need every earlier pooled row: refused by name.
