@@ -222,10 +222,22 @@ fn str_field(obj: &Map<String, Value>, k: &str) -> Result<String> {
     }
 }
 
+/// The largest value a config may give each size (far above any real model's, well below what
+/// would make the cache state or a block's layout allocate without bound: a hostile or garbled
+/// `config.json` gets a config error, not an out-of-memory abort).
+fn size_limit(k: &str) -> u64 {
+    match k {
+        "num_hidden_layers" => 1 << 12,
+        "sliding_window" => 1 << 20,
+        _ => 1 << 17,
+    }
+}
+
 fn usize_field(obj: &Map<String, Value>, k: &str, default: Option<usize>) -> Result<usize> {
     match obj.get(k) {
         Some(v) => match v.as_u64() {
-            Some(n) if n > 0 && n < (1 << 32) => Ok(n as usize),
+            Some(n) if n > 0 && n <= size_limit(k) => Ok(n as usize),
+            Some(n) if n > 0 => Err(CoreError::config(k, format!("{n} is larger than any model this supports (at most {})", size_limit(k)))),
             _ => Err(CoreError::config(k, format!("{v} is not a positive integer"))),
         },
         None => default.ok_or_else(|| CoreError::config(k, "missing")),
@@ -271,6 +283,9 @@ mod tests {
             (r#"{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":3,"compress_ratios":[0,4]}"#, "compress_ratios"),
             (r#"{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":2,"rope_scaling":{"type":"linear"}}"#, "rope_scaling.type"),
             (r#"{"model_type":"deepseek_v3","hidden_size":8,"num_hidden_layers":2,"kv_lora_rank":8}"#, "qk_rope_head_dim"),
+            (r#"{"model_type":"deepseek_v3","hidden_size":8,"num_hidden_layers":4294967295,"kv_lora_rank":8,"qk_rope_head_dim":4}"#, "num_hidden_layers"),
+            (r#"{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":2,"sliding_window":4294967295}"#, "sliding_window"),
+            (r#"{"model_type":"deepseek_v3","hidden_size":8,"num_hidden_layers":2,"kv_lora_rank":1000000000,"qk_rope_head_dim":4}"#, "kv_lora_rank"),
         ];
         for (text, field) in cases {
             match ModelPlan::from_config_json(text) {
