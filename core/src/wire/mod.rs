@@ -11,6 +11,8 @@
 //! clear text) is refused by name.
 
 pub mod frame;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod limits;
 pub mod secure;
 
