@@ -11,8 +11,6 @@
 //! clear text) is refused by name.
 
 pub mod frame;
-#[doc(hidden)]
-pub mod fuzz;
 pub mod limits;
 pub mod secure;
 

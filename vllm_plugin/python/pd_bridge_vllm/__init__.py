@@ -22,7 +22,6 @@ from ._native import (  # noqa: F401
     Weights,
     WeightsError,
     WireError,
-    prompt_digest,
     weights_fingerprint,
 )
 
