@@ -90,6 +90,17 @@ mod tests {
     }
 
     #[test]
+    fn a_panic_with_the_interpreter_released_is_caught_and_the_interpreter_stays_usable() {
+        // The core's work runs under `py.detach`; the panic unwinds through it.
+        with_py(|py| {
+            let err = guard(|| -> PyResult<()> { py.detach(|| panic!("in the core, detached")) }).unwrap_err();
+            assert!(err.is_instance_of::<InternalError>(py), "{err}");
+            let v: i64 = py.eval(c"40 + 2", None, None).unwrap().extract().unwrap();
+            assert_eq!(v, 42);
+        });
+    }
+
+    #[test]
     fn a_panic_re_raised_through_python_is_caught_as_well() {
         // pyo3 turns a PanicException fetched back from Python into a Rust panic again.
         with_py(|py| {
