@@ -7,6 +7,10 @@
 //! the block's latent rows (MLA) — and drops what it no longer needs. When every layer has
 //! delivered its part of a block, the segment is ready, in block order. Host memory per request
 //! is bounded by a block and the window, whatever the prompt length.
+//!
+//! What a segment carries is planned once ([`SegmentPlan`]) for both paths: the CPU path copies
+//! each layer's part from its pooler state into the block's body, the GPU path
+//! ([`crate::cuda::capture`]) copies it device-to-host into a page-locked body.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -14,16 +18,19 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::error::{CoreError, Result};
-use crate::format::{OmlxFormat, Overlap};
+use crate::format::OmlxFormat;
 use crate::pooler::{CacheBuilder, DecoderSteps, LayerState};
-use crate::segment::{ArrayShape, LayerHeader, LayerKind, Segment, SegmentHeader};
+use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
 use crate::wire::Seal;
 
-/// One layer's share of a block's segment.
-struct Part {
-    header: LayerHeader,
-    arrays: Vec<Vec<bf16>>,
+/// A block whose segment is being filled on the CPU path.
+struct OpenBlock {
+    plan: BlockPlan,
+    body: Vec<bf16>,
+    /// Layers whose part is in.
+    have: Vec<bool>,
+    missing: usize,
 }
 
 /// Attention input for [`Capture::feed_input`]: host rows, or a CUDA tensor's descriptor.
@@ -52,12 +59,13 @@ pub struct DeviceInput {
 pub struct Capture {
     format: OmlxFormat,
     request_id: String,
-    fingerprint: String,
     block_size: usize,
     /// Full blocks of the prompt: the blocks the decoder can take as a prefix hit.
     blocks: usize,
     builder: CacheBuilder,
-    assembling: BTreeMap<usize, Vec<Option<Part>>>,
+    /// What every block's segment carries (both paths build from it).
+    segments: SegmentPlan,
+    assembling: BTreeMap<usize, OpenBlock>,
     ready: VecDeque<Segment>,
     emitted: usize,
     sealed: Option<Seal>,
@@ -72,10 +80,6 @@ pub struct Capture {
     gpu_fallback: bool,
 }
 
-fn shape(width: usize, data: &[bf16]) -> ArrayShape {
-    ArrayShape { rows: (data.len() / width.max(1)) as u32, width: width as u32 }
-}
-
 impl Capture {
     /// A capture for the fork's decoder (flyto-mlx 0.7.0); see [`Self::with_format`].
     pub fn new(weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
@@ -87,16 +91,16 @@ impl Capture {
     /// size (also its prefill step grid).
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
-        let fingerprint = weights.fingerprint.clone();
+        let segments = SegmentPlan::new(format, &weights.plan, block_size, request_id, &weights.fingerprint);
         #[cfg(feature = "cuda")]
         let w2 = weights.clone();
         Ok(Capture {
             format,
             request_id: request_id.into(),
-            fingerprint,
             block_size,
             blocks: prompt_tokens / block_size,
             builder: CacheBuilder::new(weights, steps),
+            segments,
             assembling: BTreeMap::new(),
             ready: VecDeque::new(),
             emitted: 0,
@@ -232,7 +236,7 @@ impl Capture {
             if fed || off {
                 self.gpu_fallback = true;
             } else {
-                match crate::cuda::capture::GpuCapture::new(self.weights.clone(), t.device, self.block_size, self.blocks)? {
+                match crate::cuda::capture::GpuCapture::new(self.weights.clone(), t.device, self.format, self.segments.clone(), self.blocks)? {
                     Some(g) => self.gpu = Some(g),
                     None => self.gpu_fallback = true,
                 }
@@ -254,12 +258,11 @@ impl Capture {
     #[cfg(feature = "cuda")]
     fn poll_gpu(&mut self, wait: bool) -> Result<()> {
         let Some(g) = self.gpu.as_mut() else { return Ok(()) };
-        let n = self.builder.num_layers();
-        for p in g.poll(wait)? {
-            let slot = self.assembling.entry(p.block).or_insert_with(|| (0..n).map(|_| None).collect());
-            slot[p.layer] = Some(Part { header: p.header, arrays: p.arrays });
+        // The GPU path completes whole segments, in block order.
+        for seg in g.poll(wait)? {
+            self.ready.push_back(seg);
+            self.emitted += 1;
         }
-        self.promote();
         Ok(())
     }
 
@@ -290,87 +293,55 @@ impl Capture {
         Ok(())
     }
 
+    /// Copy `layer`'s part of block `block`'s segment from its state (the state has just reached
+    /// the block's end) into the block's body, and drop what the state no longer needs.
     fn take_part(&mut self, layer: usize, block: usize) -> Result<()> {
-        let (start, end) = (block * self.block_size, (block + 1) * self.block_size);
+        let n = self.builder.num_layers();
+        let segments = &self.segments;
+        let open = self.assembling.entry(block).or_insert_with(|| {
+            let plan = segments.block(block);
+            OpenBlock { body: vec![bf16::ZERO; plan.values], plan, have: vec![false; n], missing: n }
+        });
+        if open.have[layer] {
+            return Err(CoreError::input(layer, format!("block {block} of this layer was already taken")));
+        }
+        let (start, end) = (open.plan.start, open.plan.end);
         let state = self.builder.layer_mut(layer).ok_or_else(|| CoreError::input(layer, "no such layer"))?;
-        let part = match state {
+        match state {
             LayerState::V4(s) => {
                 let deltas = s.drain_pools();
                 let v = s.block_view();
-                let mut arrays = vec![v.window.data.to_vec()];
-                let mut shapes = vec![shape(v.window.width, v.window.data)];
-                let mut pool_starts = Vec::new();
-                let carried = self.format.overlap() == Overlap::Carried;
-                for (j, (pool, (first, width, rows))) in v.pools.iter().zip(deltas).enumerate() {
-                    for a in &pool[..2] {
-                        shapes.push(shape(a.width, a.data));
-                        arrays.push(a.data.to_vec());
-                    }
-                    shapes.push(shape(width, &rows));
-                    arrays.push(rows);
-                    pool_starts.push(first as u64);
-                    if carried {
-                        match v.prev.get(j).copied().flatten() {
-                            Some([pk, pg]) => {
-                                for a in [pk, pg] {
-                                    shapes.push(shape(a.width, a.data));
-                                    arrays.push(a.data.to_vec());
-                                }
-                            }
-                            None => {
-                                for _ in 0..2 {
-                                    shapes.push(ArrayShape { rows: 0, width: pool[0].width as u32 });
-                                    arrays.push(Vec::new());
-                                }
-                            }
-                        }
-                    }
-                }
-                let kind = LayerKind::V4 { offset: v.offset as u64, sliding_window: v.sliding_window as u32, ratio: v.ratio as u32, pool_starts };
-                Part { header: LayerHeader { kind, arrays: shapes }, arrays }
+                open.plan.fill_layer(layer, &mut open.body, |src| match *src {
+                    ArraySource::Window { .. } => Some(v.window.data),
+                    ArraySource::Remainder { pool, gate } => v.pools.get(pool).map(|p| p[gate as usize].data),
+                    ArraySource::Pooled { pool, r0, .. } => deltas.get(pool).filter(|d| d.0 == r0).map(|d| d.2.as_slice()),
+                    ArraySource::Prev { pool, gate } => v.prev.get(pool).copied().flatten().map(|p| p[gate as usize].data),
+                    _ => None,
+                })?;
             }
             LayerState::Mla(s) => {
                 let (k, v) = s.rows(start, end);
-                let part = Part {
-                    header: LayerHeader { kind: LayerKind::Kv, arrays: vec![shape(k.width, k.data), shape(v.width, v.data)] },
-                    arrays: vec![k.data.to_vec(), v.data.to_vec()],
-                };
+                open.plan.fill_layer(layer, &mut open.body, |src| match src {
+                    ArraySource::Latent { .. } => Some(k.data),
+                    ArraySource::RopeKey { .. } => Some(v.data),
+                    _ => None,
+                })?;
                 s.drop_before(end);
-                part
             }
-        };
-        let n = self.builder.num_layers();
-        let slot = self.assembling.entry(block).or_insert_with(|| (0..n).map(|_| None).collect());
-        slot[layer] = Some(part);
-        self.promote();
-        Ok(())
+        }
+        open.have[layer] = true;
+        open.missing -= 1;
+        self.promote()
     }
 
     /// Move every block whose parts are all in, in order, to the ready queue.
-    fn promote(&mut self) {
-        while let Some(parts) = self.assembling.get(&self.emitted) {
-            if parts.iter().any(Option::is_none) {
-                break;
-            }
-            let parts = self.assembling.remove(&self.emitted).expect("present");
-            let (mut layers, mut arrays) = (Vec::with_capacity(parts.len()), Vec::new());
-            for p in parts.into_iter().flatten() {
-                layers.push(p.header);
-                arrays.extend(p.arrays);
-            }
-            let k = self.emitted;
-            let header = SegmentHeader {
-                request_id: self.request_id.clone(),
-                omlx_format: self.format.name().to_string(),
-                fingerprint: self.fingerprint.clone(),
-                index: k as u32,
-                start: (k * self.block_size) as u64,
-                end: ((k + 1) * self.block_size) as u64,
-                layers,
-            };
-            self.ready.push_back(Segment { header, arrays });
+    fn promote(&mut self) -> Result<()> {
+        while self.assembling.get(&self.emitted).is_some_and(|b| b.missing == 0) {
+            let open = self.assembling.remove(&self.emitted).expect("present");
+            self.ready.push_back(self.segments.segment(&open.plan, Arc::new(open.body))?);
             self.emitted += 1;
         }
+        Ok(())
     }
 
     /// Segments completed since the last call, in block order.

@@ -9,6 +9,9 @@ use crate::block::layout::LayerView;
 use crate::error::{CoreError, Result};
 use crate::pooler::{ArrayView, V4BlockView};
 
+mod build;
+pub use build::{ArraySource, BlockPlan, BodyStore, PlannedArray, PlannedLayer, SegmentArrays, SegmentPlan};
+
 /// How a layer's arrays are to be read.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -60,15 +63,16 @@ fn fork_format() -> String {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Segment {
     pub header: SegmentHeader,
-    /// All arrays of all layers, in header order.
-    pub arrays: Vec<Vec<bf16>>,
+    /// All arrays of all layers, in header order: spans of one contiguous body.
+    pub arrays: SegmentArrays,
 }
 
 impl Segment {
-    /// Capture the block `[start, end)`'s state from per-layer views.
+    /// Capture the block `[start, end)`'s state from per-layer views (tests and the direct block
+    /// path; the capture engine builds segments through [`SegmentPlan`]).
     pub fn from_views(format: crate::OmlxFormat, request_id: &str, fingerprint: &str, index: u32, start: u64, end: u64, views: &[LayerView<'_>]) -> Segment {
         let mut layers = Vec::with_capacity(views.len());
-        let mut arrays = Vec::new();
+        let mut arrays: Vec<Vec<bf16>> = Vec::new();
         let mut push = |a: &ArrayView<'_>, shapes: &mut Vec<ArrayShape>| {
             shapes.push(ArrayShape { rows: a.rows as u32, width: a.width as u32 });
             arrays.push(a.data.to_vec());
@@ -100,7 +104,7 @@ impl Segment {
             };
             layers.push(LayerHeader { kind, arrays: shapes });
         }
-        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), omlx_format: format.name().into(), index, start, end, layers }, arrays }
+        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), omlx_format: format.name().into(), index, start, end, layers }, arrays: arrays.into() }
     }
 
     /// Borrow the segment as per-layer views for the block writer. Pools stay as the segment
@@ -167,17 +171,27 @@ impl Segment {
 
     /// Payload bytes: u32 LE header length, the header as JSON, then every array as LE bf16.
     pub fn encode(&self) -> Vec<u8> {
+        let head = self.payload_head();
+        let body = self.body_bytes();
+        let mut out = Vec::with_capacity(head.len() + body.len());
+        out.extend_from_slice(&head);
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// The payload up to the body (length prefix and header JSON): a sender writes it and then
+    /// [`Self::body_bytes`] as they lie, without assembling the payload.
+    pub fn payload_head(&self) -> Vec<u8> {
         let header = serde_json::to_vec(&self.header).expect("segment header serializes");
-        let body: usize = self.arrays.iter().map(|a| a.len() * 2).sum();
-        let mut out = Vec::with_capacity(4 + header.len() + body);
+        let mut out = Vec::with_capacity(4 + header.len());
         out.extend_from_slice(&(header.len() as u32).to_le_bytes());
         out.extend_from_slice(&header);
-        for a in &self.arrays {
-            for v in a {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        }
         out
+    }
+
+    /// The arrays as the payload carries them (LE bf16, back to back).
+    pub fn body_bytes(&self) -> &[u8] {
+        self.arrays.body_bytes()
     }
 
     /// Parse a payload; every length is checked against the bytes actually present.
@@ -189,18 +203,20 @@ impl Segment {
             return Err(CoreError::wire(format!("segment covers an empty range [{}, {})", header.start, header.end)));
         }
         let mut body = &payload[4 + n..];
-        let mut arrays = Vec::new();
+        let whole = body;
+        let mut lens = Vec::new();
         for s in header.layers.iter().flat_map(|l| &l.arrays) {
             let bytes = (s.rows as usize).checked_mul(s.width as usize).and_then(|v| v.checked_mul(2)).ok_or_else(|| CoreError::wire("array size overflows"))?;
             if bytes > body.len() {
                 return Err(CoreError::wire(format!("array {}x{} overruns the payload ({} bytes left)", s.rows, s.width, body.len())));
             }
-            arrays.push(body[..bytes].chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect());
+            lens.push(bytes / 2);
             body = &body[bytes..];
         }
         if !body.is_empty() {
             return Err(CoreError::wire(format!("{} trailing bytes after the last array", body.len())));
         }
+        let arrays = SegmentArrays::from_le_bytes(whole, &lens)?;
         Ok(Segment { header, arrays })
     }
 }

@@ -17,11 +17,6 @@ use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, StateArray};
 #[cfg(feature = "cuda")]
 use pd_bridge_core::cuda::{self, synthetic, GemmMode, GpuCache, GpuModel};
 
-thread_local! {
-    /// Run the separate (unfused) post-projection kernels instead of `v4_post`.
-    static UNFUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// Map bf16 bits to a monotonic integer line so that ulp distance is a difference.
 fn ordered(b: bf16) -> i32 {
     let u = b.to_bits() as i32;
@@ -106,7 +101,6 @@ fn gpu_states(
 ) -> Vec<Vec<StateArray>>{
     let hidden = m.hidden_size();
     let mut g = GpuCache::new(m.clone(), DecoderSteps::new(step).unwrap(), mode).unwrap();
-    g.fused = UNFUSED.with(|u| !u.get());
     for (l, xl) in x.iter().enumerate() {
         let mut t = 0;
         for &c in chunks {
@@ -176,14 +170,6 @@ fn tiny_layers_match_cpu() {
                         d.identical, d.values,
                         "{name} step {step} chunks {chunks:?}: exact GEMM path differs: {d:?}"
                     );
-                }
-                #[cfg(feature = "cuda")]
-                {
-                    UNFUSED.with(|u| u.set(true));
-                    let gpu = gpu_states(&m, step, GemmMode::Exact, &x, &[100, tokens - 100]);
-                    UNFUSED.with(|u| u.set(false));
-                    let d = compare(&cpu, &gpu);
-                    assert_eq!(d.identical, d.values, "{name} step {step}: unfused kernels differ: {d:?}");
                 }
                 let gpu = gpu_states(&m, step, GemmMode::TensorCore, &x, &[tokens]);
                 let d = compare(&cpu, &gpu);

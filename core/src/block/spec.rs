@@ -173,7 +173,7 @@ impl StoreSpec {
         let mut after = self.no_pool_rows();
         let mut at = 0usize;
         for (i, (l, spec)) in h.layers.iter().zip(&self.layers).enumerate() {
-            let arrays = &seg.arrays[at..at + l.arrays.len()];
+            let arrays = &seg.arrays.iter().skip(at).take(l.arrays.len()).collect::<Vec<_>>();
             at += l.arrays.len();
             let bad = |array: Option<&str>, reason: String| CoreError::segment(block, Some(i), array, reason);
             // Every array's length must be its shape: a segment built in memory is checked too.

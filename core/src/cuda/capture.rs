@@ -1,110 +1,120 @@
-//! The capture engine's GPU backend: a [`GpuCache`] in streaming mode plus a small host mirror
-//! that turns each chunk's device outputs into the same per-block parts the CPU path builds.
+//! The capture engine's GPU backend: a [`GpuCache`] in streaming mode whose outputs are copied
+//! device-to-host straight into the segments they belong to.
 //!
-//! Per feed (on the caller's thread, never waiting for the device): the chunk is queued on the
-//! cache's side stream after the producer's stream, then its outputs (the chunk's window rows,
-//! its new pool rows or MLA rows) are copied device-to-host into page-locked memory on the post
-//! stream and a completion event is recorded. [`GpuCapture::poll`] queries those events (it does
-//! not block unless asked to) and, for each finished chunk, cuts the parts at block boundaries.
-//! Host memory is bounded by a chunk, a block and the window, whatever the prompt length; device
-//! memory likewise (nothing accumulates there).
+//! Each block's segment is planned by the capture's [`SegmentPlan`] (the same plan the CPU path
+//! fills) and gets one page-locked body, leased from the device's pool and reused across blocks
+//! and requests. Per feed (on the caller's thread, never waiting for the device unless too many
+//! blocks are in flight, below): the chunk is queued on the cache's side stream after the
+//! producer's stream; once the layer's kernels ran, a copy stream copies exactly the rows each
+//! open block needs from this chunk (its window rows, window lookback included; its new pool
+//! rows; its MLA rows) to their places in the block bodies, and records a completion event.
+//! [`GpuCapture::poll`] queries those events; a block whose every layer is copied up to its end
+//! becomes a [`Segment`] over its body as it lies: no host copy of any row, no per-array buffer.
+//!
+//! Host memory is a few blocks' bodies (the chunk's blocks plus those still in flight); device
+//! memory a chunk's outputs per layer. Nothing accumulates with the prompt's length.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 use half::bf16;
 
-use super::dev::{ck, Event, Pinned};
+use super::dev::{ck, Event, PinnedLease, Stream};
+use super::pooler::DevRows;
 use super::{DeviceTensor, GemmMode, GpuCache, GpuModel, WindowRows};
 use crate::error::{CoreError, Result};
-use crate::plan::ModelPlan;
+use crate::format::{OmlxFormat, Overlap};
 use crate::pooler::DecoderSteps;
-use crate::segment::{ArrayShape, LayerHeader, LayerKind};
+use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
 
-struct PoolMirror {
-    width: usize,
-    ratio: usize,
-    /// Pool rows produced but not yet shipped, the first being pool row `first`.
-    rows: Vec<bf16>,
-    first: usize,
+/// A block whose segment body the device is copying into.
+struct GpuBlock {
+    plan: BlockPlan,
+    body: PinnedLease,
 }
 
-enum Mirror {
-    V4 { hd: usize, size: usize, ratio: usize, retain: usize, hist: Vec<bf16>, pools: Vec<PoolMirror> },
-    Mla { rank: usize, rd: usize, latent: Vec<bf16>, kpe: Vec<bf16>, base: usize },
-}
-
+/// A feed whose copies are queued: done when `done` completes.
 struct Pending {
     layer: usize,
-    start: usize,
     end: usize,
     done: Event,
-    host: Pinned,
-    spans: Vec<(usize, usize)>,
-}
-
-/// One layer's share of a block's segment, as the CPU path's `take_part` builds it.
-pub(crate) struct GpuPart {
-    pub layer: usize,
-    pub block: usize,
-    pub header: LayerHeader,
-    pub arrays: Vec<Vec<bf16>>,
 }
 
 pub(crate) struct GpuCapture {
     cache: GpuCache,
-    steps: DecoderSteps,
-    block_size: usize,
+    plan: SegmentPlan,
+    blocks: usize,
     limit: usize,
-    mirrors: Vec<Mirror>,
+    open: BTreeMap<usize, GpuBlock>,
     pending: VecDeque<Pending>,
-    spare: Vec<Pinned>,
+    /// Per layer: tokens whose rows are copied into their blocks.
+    copied_upto: Vec<usize>,
+    /// The next block to hand out.
+    next: usize,
+    ready: Vec<Segment>,
+    /// One copy stream per post stream: the copies of a layer follow its kernels (an event) without
+    /// holding up the next layers' kernels on that post stream.
+    copy: Vec<Stream>,
+    /// Per layer: recorded after its last copies; its next feed waits for it before overwriting
+    /// the outputs they read.
+    copied: Vec<Event>,
+    /// Per layer: recorded after its kernels; its copies wait for it.
+    computed: Vec<Event>,
+    spare_events: Vec<Event>,
+    /// Open blocks beyond which a feed first waits for queued copies (set by the first feed).
+    max_open: usize,
 }
 
-// SAFETY: as for GpuCache; the pinned buffers are only touched through `&mut self`.
+// SAFETY: as for GpuCache; the pinned bodies are only touched through `&mut self` until their
+// copies completed, then only read.
 unsafe impl Send for GpuCapture {}
 unsafe impl Sync for GpuCapture {}
 
-fn shape(width: usize, data: &[bf16]) -> ArrayShape {
-    ArrayShape { rows: (data.len() / width.max(1)) as u32, width: width as u32 }
+impl Drop for GpuCapture {
+    fn drop(&mut self) {
+        // Copies may still be writing into leased bodies: let them finish before the bodies go
+        // back to the pool.
+        let _ = self.cache.model.dev.bind();
+        for s in &self.copy {
+            let _ = s.sync();
+        }
+    }
 }
 
 impl GpuCapture {
-    /// `None` when this model/block size is not handled on the GPU (the caller falls back to the
-    /// CPU path): pool remainders at block boundaries need `block_size` to be a multiple of every
-    /// compress ratio.
-    pub fn new(weights: Arc<DecoderWeights>, device: usize, block_size: usize, blocks: usize) -> Result<Option<Self>> {
-        let steps = DecoderSteps::new(block_size)?;
-        let mirrors: Vec<Mirror> = match &weights.plan {
-            ModelPlan::DeepseekV4(p) => {
-                if p.compress_ratios.iter().take(p.num_layers).any(|&r| r != 0 && block_size % r != 0) {
-                    return Ok(None);
-                }
-                (0..p.num_layers)
-                    .map(|i| {
-                        let ratio = p.compress_ratios[i];
-                        let mut pools = vec![];
-                        if ratio != 0 {
-                            pools.push(PoolMirror { width: p.head_dim, ratio, rows: vec![], first: 0 });
-                        }
-                        if ratio == 4 {
-                            pools.push(PoolMirror { width: p.index_head_dim, ratio, rows: vec![], first: 0 });
-                        }
-                        Mirror::V4 { hd: p.head_dim, size: p.sliding_window, ratio, retain: p.sliding_window - 1 + block_size, hist: vec![], pools }
-                    })
-                    .collect()
-            }
-            ModelPlan::Mla(p) => (0..p.num_layers)
-                .map(|_| Mirror::Mla { rank: p.kv_lora_rank, rd: p.rope_head_dim, latent: vec![], kpe: vec![], base: 0 })
-                .collect(),
-        };
+    /// `None` when this capture is not handled on the GPU (the caller falls back to the CPU path):
+    /// the kernels implement the fork's per-call overlap restart, and blocks must end on pool
+    /// window boundaries (`block_size` a multiple of every compress ratio: no remainder rows).
+    pub fn new(weights: Arc<DecoderWeights>, device: usize, format: OmlxFormat, plan: SegmentPlan, blocks: usize) -> Result<Option<Self>> {
+        let bs = plan.block_size();
+        if format.overlap() != Overlap::RestartPerCall || (0..plan.num_layers()).any(|l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0) {
+            return Ok(None);
+        }
+        let steps = DecoderSteps::for_format(format, bs)?;
         let model = GpuModel::shared(weights, device)?;
         let mut cache = GpuCache::new(model, steps, GemmMode::from_env())?;
         cache.window_rows = WindowRows::All;
-        Ok(Some(GpuCapture { cache, steps, block_size, limit: blocks * block_size, mirrors, pending: VecDeque::new(), spare: vec![] }))
+        let n = plan.num_layers();
+        let nposts = (0..n).map(|l| cache.post_of(l)).max().map_or(1, |m| m + 1);
+        Ok(Some(GpuCapture {
+            copy: (0..nposts).map(|_| Stream::new()).collect::<Result<_>>()?,
+            copied: (0..n).map(|_| Event::new()).collect::<Result<_>>()?,
+            computed: (0..n).map(|_| Event::new()).collect::<Result<_>>()?,
+            cache,
+            plan,
+            blocks,
+            limit: blocks * bs,
+            open: BTreeMap::new(),
+            pending: VecDeque::new(),
+            copied_upto: vec![0; n],
+            next: 0,
+            ready: vec![],
+            spare_events: vec![],
+            max_open: 0,
+        }))
     }
 
     /// The side stream the input is read on (torch: `x.record_stream(ExternalStream(handle))`).
@@ -112,179 +122,157 @@ impl GpuCapture {
         self.cache.stream_handle()
     }
 
-    /// Chunks queued whose results have not been taken in yet.
+    /// Feeds queued whose copies have not been seen complete yet.
     pub fn pending(&self) -> usize {
         self.pending.len()
     }
 
     /// Queue `t`'s rows for `layer` (tokens from `start`; rows past the last full block are
-    /// skipped). Never waits for the device.
+    /// skipped).
     pub fn feed(&mut self, layer: usize, start: usize, t: &DeviceTensor) -> Result<()> {
         let hidden = self.cache.model.hidden_size();
         if t.nbytes == 0 || t.nbytes % (hidden * 2) != 0 {
             return Err(CoreError::input(layer, format!("{} bytes is not a whole number of bf16 rows of width {hidden}", t.nbytes)));
+        }
+        if layer >= self.plan.num_layers() {
+            return Err(CoreError::input(layer, format!("the model has {} layers", self.plan.num_layers())));
         }
         let rows = t.nbytes / (hidden * 2);
         let end = (start + rows).min(self.limit);
         if end <= start {
             return Ok(());
         }
+        let bs = self.plan.block_size();
+        if self.max_open == 0 {
+            // The blocks one chunk touches (its own, the next one's window lookback), twice over:
+            // the engine may queue a chunk while the device works on the previous one.
+            self.max_open = std::env::var("PD_BRIDGE_GPU_OPEN_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2 * (rows.div_ceil(bs) + 2)).max(2);
+        }
+        self.cache.model.dev.bind()?;
+        let post = self.cache.post_stream(layer);
+        // The copies of this layer's previous chunk read the buffers this feed overwrites.
+        ck("ordering after the copies", unsafe { sys::cuStreamWaitEvent(post, self.copied[layer].0, 0) })?;
         let t = DeviceTensor { nbytes: (end - start) * hidden * 2, ..*t };
         self.cache.feed_device(layer, start, &t)?;
         let outs = self.cache.chunk_outputs(layer);
-        let total: usize = outs.iter().map(|o| o.1 * 2).sum();
-        let host = match self.spare.iter().position(|p| p.bytes >= total) {
-            Some(i) => self.spare.swap_remove(i),
-            None => Pinned::new(total.next_power_of_two().max(4096))?,
-        };
-        let s = self.cache.post_stream(layer);
-        let mut off = 0;
-        let mut spans = vec![];
-        for (ptr, elems) in outs {
-            if elems > 0 {
-                ck("copying results to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(host.ptr.add(off * 2) as *mut c_void, ptr, elems * 2, s) })?;
+        let cs = self.copy[self.cache.post_of(layer)].0;
+        self.computed[layer].record(post)?;
+        ck("ordering the copies", unsafe { sys::cuStreamWaitEvent(cs, self.computed[layer].0, 0) })?;
+        let touched: Vec<usize> = blocks_of_feed(&self.plan, self.blocks, layer, start, end).collect();
+        for k in touched {
+            if !self.open.contains_key(&k) {
+                self.make_room()?;
+                let bp = self.plan.block(k);
+                let body = PinnedLease::take(&self.cache.model.dev, bp.values)?;
+                self.open.insert(k, GpuBlock { plan: bp, body });
             }
-            spans.push((off, elems));
-            off += elems;
+            let b = &self.open[&k];
+            for c in row_copies(&b.plan, layer, &outs)? {
+                // SAFETY: the destination lies inside the leased body (the plan sized it); it is
+                // read only after the completion event recorded after this copy.
+                let dst = unsafe { b.body.ptr().add(c.dst * 2) };
+                ck("copying results to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, c.src, c.values * 2, cs) })?;
+            }
         }
-        let done = Event::new()?;
-        done.record(s)?;
-        self.pending.push_back(Pending { layer, start, end, done, host, spans });
+        self.copied[layer].record(cs)?;
+        let done = match self.spare_events.pop() {
+            Some(e) => e,
+            None => Event::new()?,
+        };
+        done.record(cs)?;
+        self.pending.push_back(Pending { layer, end, done });
         Ok(())
     }
 
-    /// Take in every finished chunk (all of them, waiting, if `wait`) and return the block parts
-    /// they complete, in order.
-    pub fn poll(&mut self, wait: bool) -> Result<Vec<GpuPart>> {
-        if self.pending.is_empty() {
-            return Ok(vec![]);
+    /// Before opening another block: while `max_open` are open, wait for the oldest queued copies
+    /// (the engine is that far ahead of the device). Blocks that still need unqueued work do not
+    /// wait.
+    fn make_room(&mut self) -> Result<()> {
+        while self.open.len() >= self.max_open && !self.pending.is_empty() {
+            self.pending[0].done.wait()?;
+            self.take_in(false)?;
         }
-        self.cache.model.dev.bind()?;
-        let mut done = vec![];
+        Ok(())
+    }
+
+    /// Note the feeds whose copies completed (waiting for all if `wait`); hand out the blocks
+    /// every layer has reached.
+    fn take_in(&mut self, wait: bool) -> Result<()> {
+        // In queue order (layers complete roughly in the order they were fed; one query per poll
+        // when nothing new finished).
         while let Some(p) = self.pending.front() {
             if wait {
                 p.done.wait()?;
             } else if !p.done.done()? {
                 break;
             }
-            done.push(self.pending.pop_front().expect("front exists"));
+            let p = self.pending.pop_front().expect("front exists");
+            let upto = &mut self.copied_upto[p.layer];
+            *upto = (*upto).max(p.end);
+            self.spare_events.push(p.done);
         }
-        // Each layer's mirror is independent: take the finished chunks in per layer, in order,
-        // on as many threads as there are layers with work (a prompt's worth of window rows is
-        // copied once here, from page-locked memory into the segments).
-        let mut by_layer: Vec<Vec<&Pending>> = (0..self.mirrors.len()).map(|_| vec![]).collect();
-        for p in &done {
-            by_layer[p.layer].push(p);
+        let upto = self.copied_upto.iter().copied().min().unwrap_or(0);
+        let bs = self.plan.block_size();
+        while self.next < self.blocks && (self.next + 1) * bs <= upto {
+            let b = self.open.remove(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never copied", self.next)))?;
+            self.ready.push(self.plan.segment(&b.plan, Arc::new(b.body))?);
+            self.next += 1;
         }
-        let bytes: usize = done.iter().map(|p| p.spans.iter().map(|s| s.1).sum::<usize>() * 2).sum();
-        let (bs, steps) = (self.block_size, self.steps);
-        let work = |m: &mut Mirror, ps: &[&Pending]| -> Vec<GpuPart> {
-            let mut parts = vec![];
-            for p in ps {
-                // SAFETY: the copies into `host` finished (event above); `spans` lie inside it.
-                let data: Vec<&[bf16]> =
-                    p.spans.iter().map(|&(o, n)| unsafe { std::slice::from_raw_parts(p.host.ptr.add(o * 2) as *const bf16, n) }).collect();
-                take_in(m, bs, steps, p.layer, p.start, p.end, &data, &mut parts);
-            }
-            parts
-        };
-        let mut parts = vec![];
-        if bytes < (8 << 20) {
-            for (m, ps) in self.mirrors.iter_mut().zip(&by_layer) {
-                parts.extend(work(m, ps));
-            }
-        } else {
-            std::thread::scope(|sc| {
-                let hs: Vec<_> = self.mirrors.iter_mut().zip(&by_layer).filter(|(_, ps)| !ps.is_empty()).map(|(m, ps)| sc.spawn(|| work(m, ps))).collect();
-                for h in hs {
-                    parts.extend(h.join().expect("mirror thread"));
-                }
-            });
+        Ok(())
+    }
+
+    /// The segments completed so far (waiting for every queued feed if `wait`), in block order.
+    pub fn poll(&mut self, wait: bool) -> Result<Vec<Segment>> {
+        if !self.pending.is_empty() {
+            self.cache.model.dev.bind()?;
+            self.take_in(wait)?;
         }
-        self.spare.extend(done.into_iter().map(|p| p.host));
-        Ok(parts)
+        Ok(std::mem::take(&mut self.ready))
     }
 }
 
-/// Fold one finished chunk of `layer` into its host mirror; push the block parts it completes.
-#[allow(clippy::too_many_arguments)]
-fn take_in(m: &mut Mirror, bs: usize, steps: DecoderSteps, layer: usize, start: usize, end: usize, data: &[&[bf16]], parts: &mut Vec<GpuPart>) {
-    match m {
-        Mirror::V4 { hd, size, ratio, retain, hist, pools } => {
-            let hd = *hd;
-            // Window rows: `hist` holds tokens [start - hist_rows, start), data[0] [start, end).
-            let first_tok = start - hist.len() / hd;
-            let win = data[0];
-            let rows_of = |hist: &[bf16], t0: usize, t1: usize| -> Vec<bf16> {
-                let mut v = Vec::with_capacity((t1 - t0) * hd);
-                if t0 < start {
-                    v.extend_from_slice(&hist[(t0 - first_tok) * hd..(t1.min(start) - first_tok) * hd]);
-                }
-                if t1 > start {
-                    v.extend_from_slice(&win[(t0.max(start) - start) * hd..(t1 - start) * hd]);
-                }
-                v
-            };
-            for (pm, rows) in pools.iter_mut().zip(&data[1..]) {
-                pm.rows.extend_from_slice(rows);
-            }
-            let mut b = (start / bs + 1) * bs;
-            while b <= end {
-                let n = if *ratio != 0 {
-                    // MLX's rotating buffer: every row of the current decoder call plus up to
-                    // size - 1 before it (V4LayerState::block_view).
-                    let call_start = steps.call_of(b - 1) * steps.step;
-                    b.min(*size - 1 + (b - call_start))
-                } else {
-                    b.min(*size)
-                };
-                let w = rows_of(hist, b - n, b);
-                let mut shapes = vec![shape(hd, &w)];
-                let mut arrays = vec![w];
-                let mut pool_starts = vec![];
-                for pm in pools.iter_mut() {
-                    let od = if pm.ratio == 4 { 2 * pm.width } else { pm.width };
-                    // block_size is a multiple of the ratio: no remainder rows at a boundary.
-                    shapes.push(ArrayShape { rows: 0, width: od as u32 });
-                    shapes.push(ArrayShape { rows: 0, width: od as u32 });
-                    arrays.push(vec![]);
-                    arrays.push(vec![]);
-                    let upto = b / pm.ratio;
-                    let take = (upto - pm.first) * pm.width;
-                    let rows: Vec<bf16> = pm.rows.drain(..take).collect();
-                    shapes.push(shape(pm.width, &rows));
-                    arrays.push(rows);
-                    pool_starts.push(pm.first as u64);
-                    pm.first = upto;
-                }
-                let kind = LayerKind::V4 { offset: b as u64, sliding_window: *size as u32, ratio: *ratio as u32, pool_starts };
-                parts.push(GpuPart { layer, block: b / bs - 1, header: LayerHeader { kind, arrays: shapes }, arrays });
-                b += bs;
-            }
-            // Keep the last `retain` rows.
-            let new = end - start;
-            if new >= *retain {
-                *hist = win[(new - *retain) * hd..].to_vec();
-            } else {
-                let drop = (hist.len() / hd + new).saturating_sub(*retain);
-                hist.drain(..drop * hd);
-                hist.extend_from_slice(win);
-            }
+/// The blocks a feed of `layer` with tokens `[start, end)` writes into, in order: from the block
+/// holding `start` on, while the block reads a row before `end` (the next block's window looks
+/// back into this chunk).
+fn blocks_of_feed(plan: &SegmentPlan, blocks: usize, layer: usize, start: usize, end: usize) -> impl Iterator<Item = usize> + '_ {
+    (start / plan.block_size()..blocks).take_while(move |&k| plan.first_token(k, layer) < end)
+}
+
+/// One device-to-host copy into a block's body: `values` bf16 values from device address `src`
+/// to offset `dst` (in values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RowCopy {
+    src: u64,
+    dst: usize,
+    values: usize,
+}
+
+/// The copies that put the rows of `layer`'s last outputs (`outs`, see
+/// [`GpuCache::chunk_outputs`]) that block `b` holds into its body.
+fn row_copies(b: &BlockPlan, layer: usize, outs: &[DevRows]) -> Result<Vec<RowCopy>> {
+    let mut v = vec![];
+    for a in &b.layers[layer].arrays {
+        if a.shape.rows == 0 {
+            continue;
         }
-        Mirror::Mla { rank, rd, latent, kpe, base } => {
-            latent.extend_from_slice(data[0]);
-            kpe.extend_from_slice(data[1]);
-            let mut b = (start / bs + 1) * bs;
-            while b <= end {
-                let k: Vec<bf16> = latent.drain(..(b - *base) * *rank).collect();
-                let v: Vec<bf16> = kpe.drain(..(b - *base) * *rd).collect();
-                *base = b;
-                let header = LayerHeader { kind: LayerKind::Kv, arrays: vec![shape(*rank, &k), shape(*rd, &v)] };
-                parts.push(GpuPart { layer, block: b / bs - 1, header, arrays: vec![k, v] });
-                b += bs;
-            }
+        // The output holding this array's rows, and the rows wanted in its numbering (tokens, or
+        // pool rows).
+        let (out, r0, r1) = match a.source {
+            ArraySource::Window { t0, t1 } | ArraySource::Latent { t0, t1 } => (outs.first(), t0, t1),
+            ArraySource::RopeKey { t0, t1 } => (outs.get(1), t0, t1),
+            ArraySource::Pooled { pool, r0, r1 } => (outs.get(1 + pool), r0, r1),
+            ArraySource::Remainder { .. } | ArraySource::Prev { .. } => (None, 0, 0),
+        };
+        let Some(out) = out.filter(|o| o.width == a.shape.width as usize) else {
+            return Err(CoreError::config("cuda", format!("layer {layer}: the GPU produces no {:?} rows of width {}", a.source, a.shape.width)));
+        };
+        let (lo, hi) = (r0.max(out.first), r1.min(out.first + out.rows));
+        if lo < hi {
+            let w = out.width;
+            v.push(RowCopy { src: out.ptr + ((lo - out.first) * w * 2) as u64, dst: a.offset + (lo - r0) * w, values: (hi - lo) * w });
         }
     }
+    Ok(v)
 }
 
 /// Copy a device tensor to the host (after the producer stream's queued work): the fallback
@@ -296,4 +284,109 @@ pub(crate) fn copy_to_host(t: &DeviceTensor) -> Result<Vec<bf16>> {
     let mut v = vec![bf16::ZERO; t.nbytes / 2];
     ck("copying to the host", unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut c_void, t.ptr, t.nbytes) })?;
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The GPU path's block assembly on the host: device outputs stood in for by host rows whose
+    //! values name their row, copies done with memcpy. Every block body must hold exactly what
+    //! its plan lists, for any chunking (the kernels' numerics are tested on a GPU, tests/gpu.rs).
+    use super::*;
+    use crate::plan::{MlaPlan, ModelPlan, V4Plan};
+
+    /// The value of output `o`'s row `r`, column `c`, of `layer`.
+    fn mark(layer: usize, o: usize, r: usize, c: usize) -> bf16 {
+        bf16::from_bits(((layer * 7919 + o * 104729 + r * 31 + c * 17) % 30000) as u16)
+    }
+
+    fn check(plan: &ModelPlan, bs: usize, tokens: usize, chunks: &[usize]) {
+        let sp = SegmentPlan::new(OmlxFormat::Fork070, plan, bs, "r", "fp");
+        let blocks = tokens / bs;
+        let limit = blocks * bs;
+        let mut bodies: BTreeMap<usize, Vec<bf16>> = BTreeMap::new();
+        let mut start = 0;
+        let mut i = 0;
+        while start < limit {
+            let end = (start + chunks[i % chunks.len()]).min(limit);
+            i += 1;
+            for layer in 0..sp.num_layers() {
+                // What GpuCache::chunk_outputs reports for this chunk, on the host.
+                let ratio = sp.ratio(layer);
+                let widths: Vec<(usize, usize, usize)> = match plan {
+                    ModelPlan::DeepseekV4(p) => {
+                        let mut v = vec![(start, end - start, p.head_dim)];
+                        if ratio != 0 {
+                            v.push((start / ratio, end / ratio - start / ratio, p.head_dim));
+                        }
+                        if ratio == 4 {
+                            v.push((start / ratio, end / ratio - start / ratio, p.index_head_dim));
+                        }
+                        v
+                    }
+                    ModelPlan::Mla(p) => vec![(start, end - start, p.kv_lora_rank), (start, end - start, p.rope_head_dim)],
+                };
+                let host: Vec<Vec<bf16>> = widths.iter().enumerate().map(|(o, &(f, n, w))| (0..n * w).map(|e| mark(layer, o, f + e / w, e % w)).collect()).collect();
+                let outs: Vec<DevRows> = widths.iter().zip(&host).map(|(&(first, rows, width), h)| DevRows { ptr: h.as_ptr() as u64, first, rows, width }).collect();
+                for k in blocks_of_feed(&sp, blocks, layer, start, end) {
+                    let bp = sp.block(k);
+                    assert_eq!(sp.first_token(k, layer), bp.first_token(layer, ratio));
+                    let body = bodies.entry(k).or_insert_with(|| vec![bf16::from_bits(0xffff); bp.values]);
+                    for c in row_copies(&bp, layer, &outs).unwrap() {
+                        // SAFETY: `src` points into one of `host`'s rows (row_copies clips to them).
+                        let src = unsafe { std::slice::from_raw_parts(c.src as *const bf16, c.values) };
+                        body[c.dst..c.dst + c.values].copy_from_slice(src);
+                    }
+                }
+            }
+            start = end;
+        }
+        assert_eq!(bodies.len(), blocks, "every block opened");
+        for (k, body) in &bodies {
+            let bp = sp.block(*k);
+            for (layer, l) in bp.layers.iter().enumerate() {
+                for a in &l.arrays {
+                    let (o, r0) = match a.source {
+                        ArraySource::Window { t0, .. } | ArraySource::Latent { t0, .. } => (0, t0),
+                        ArraySource::RopeKey { t0, .. } => (1, t0),
+                        ArraySource::Pooled { pool, r0, .. } => (1 + pool, r0),
+                        _ => {
+                            assert_eq!(a.shape.rows, 0, "block {k} layer {layer}: {:?}", a.source);
+                            continue;
+                        }
+                    };
+                    let w = a.shape.width as usize;
+                    for e in 0..a.values() {
+                        assert_eq!(body[a.offset + e], mark(layer, o, r0 + e / w, e % w), "block {k} layer {layer} {:?} value {e}, chunks {chunks:?}", a.source);
+                    }
+                }
+            }
+        }
+    }
+
+    fn tiny_v4() -> ModelPlan {
+        let mut p = crate::cuda::synthetic::flash_plan();
+        p.num_layers = 3;
+        p.compress_ratios = vec![0, 4, 128];
+        p.head_dim = 16;
+        p.index_head_dim = 8;
+        p.sliding_window = 8;
+        ModelPlan::DeepseekV4(p)
+    }
+
+    #[test]
+    fn blocks_get_exactly_their_rows_for_any_chunking() {
+        let v4 = tiny_v4();
+        for chunks in [&[1100][..], &[100, 37, 300], &[256], &[1, 2, 3, 250, 7], &[9]] {
+            check(&v4, 256, 1100, chunks);
+        }
+        let flash = ModelPlan::DeepseekV4(V4Plan { num_layers: 5, ..crate::cuda::synthetic::flash_plan() });
+        for chunks in [&[2048][..], &[8192], &[1000, 3000], &[300, 500]] {
+            check(&flash, 2048, 9000, chunks);
+        }
+        check(&flash, 512, 1100, &[300, 500]);
+        let mla = ModelPlan::Mla(MlaPlan { hidden_size: 32, num_layers: 2, kv_lora_rank: 16, rope_head_dim: 8, rope_theta: 1e4, yarn: None, latent_norm_eps: 1e-6 });
+        for chunks in [&[300][..], &[7, 50, 13], &[16]] {
+            check(&mla, 16, 300, chunks);
+        }
+    }
 }

@@ -22,7 +22,7 @@ pub(crate) fn ck(what: &str, r: sys::CUresult) -> Result<()> {
 }
 
 const SRC: &str = include_str!("kernels.cu");
-const KERNELS: [&str; 6] = ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows", "v4_post"];
+const KERNELS: [&str; 5] = ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows"];
 
 /// Whether a CUDA driver with at least one device can be loaded here.
 pub fn cuda_available() -> bool {
@@ -37,6 +37,8 @@ pub struct GpuDevice {
     funcs: HashMap<&'static str, sys::CUfunction>,
     pub ordinal: usize,
     pub name: String,
+    /// Page-locked host buffers not leased out (see [`PinnedLease`]).
+    pinned: Mutex<Vec<Pinned>>,
 }
 
 // SAFETY: CUmodule/CUfunction handles are process-wide and usable from any thread once the
@@ -101,6 +103,7 @@ impl GpuDevice {
             funcs,
             ordinal,
             name,
+            pinned: Mutex::new(Vec::new()),
         })
     }
 
@@ -349,6 +352,75 @@ impl Pinned {
             ptr: p as *mut u8,
             bytes,
         })
+    }
+}
+
+/// Idle page-locked memory a device keeps for reuse. Pinning is slow (the pages are allocated and
+/// locked) and freeing it synchronises the device, so buffers go back to the pool, not the OS;
+/// only what exceeds this is freed.
+const PINNED_IDLE_MAX: usize = 4 << 30;
+
+/// A page-locked host buffer leased from a device's pool (a segment body the device copies
+/// into); it goes back to the pool when dropped.
+pub(crate) struct PinnedLease {
+    dev: Arc<GpuDevice>,
+    buf: Option<Pinned>,
+    /// bf16 values in use.
+    values: usize,
+}
+
+// SAFETY: the buffer is plain host memory; writes happen only through device copies ordered
+// before the completion event that precedes any read.
+unsafe impl Send for PinnedLease {}
+unsafe impl Sync for PinnedLease {}
+
+impl PinnedLease {
+    /// `values` bf16 values: the smallest idle buffer that holds them and is at most twice as
+    /// large, else a new one (rounded up to 2 MiB).
+    pub fn take(dev: &Arc<GpuDevice>, values: usize) -> Result<Self> {
+        let bytes = (values * 2).max(1);
+        let found = {
+            let mut idle = dev.pinned.lock().unwrap_or_else(|p| p.into_inner());
+            let best = idle.iter().enumerate().filter(|(_, b)| b.bytes >= bytes && b.bytes <= 2 * bytes.max(1 << 21)).min_by_key(|(_, b)| b.bytes).map(|(i, _)| i);
+            best.map(|i| idle.swap_remove(i))
+        };
+        let buf = match found {
+            Some(b) => b,
+            None => {
+                dev.bind()?;
+                Pinned::new(bytes.div_ceil(1 << 21) << 21)?
+            }
+        };
+        Ok(PinnedLease { dev: dev.clone(), buf: Some(buf), values })
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.buf.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr)
+    }
+}
+
+impl crate::segment::BodyStore for PinnedLease {
+    fn values(&self) -> &[half::bf16] {
+        // SAFETY: the buffer holds at least `values` bf16 values; see the Sync note above.
+        unsafe { std::slice::from_raw_parts(self.ptr() as *const half::bf16, self.values) }
+    }
+}
+
+impl Drop for PinnedLease {
+    fn drop(&mut self) {
+        let Some(buf) = self.buf.take() else { return };
+        let mut idle = self.dev.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = idle.iter().map(|b| b.bytes).sum();
+        if held + buf.bytes <= PINNED_IDLE_MAX {
+            idle.push(buf);
+        } else {
+            drop(idle);
+            if self.dev.bind().is_ok() {
+                drop(buf);
+            } else {
+                std::mem::forget(buf);
+            }
+        }
     }
 }
 

@@ -248,57 +248,13 @@ impl GpuModel {
     }
 }
 
-/// `v4_post`'s per-compressor parameters (layout matches `struct PostComp` in kernels.cu).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PostComp {
-    ape: u64,
-    norm: u64,
-    inv: u64,
-    stash: u64,
-    new_stash: u64,
-    out: u64,
-    seq0: i64,
-    base0: i64,
-    t0_keep: i64,
-    pos0: i64,
-    ycol: i32,
-    ratio: i32,
-    hd: i32,
-    od: i32,
-    w: i32,
-    keep: i32,
-    pairs: i32,
-    pad: i32,
-}
-
-/// `v4_post`'s parameters (layout matches `struct Post` in kernels.cu).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Post {
-    y: u64,
-    kv_norm: u64,
-    win_inv: u64,
-    chunk_win: u64,
-    win_new: u64,
-    win_old: u64,
-    ys: i64,
-    start: i64,
-    win_pos0: i64,
-    step: i32,
-    hd: i32,
-    win_pairs: i32,
-    nw: i32,
-    first: i32,
-    from_old: i32,
-    old_skip: i32,
-    from_new: i32,
-    ncomp: i32,
-    /// 1: the pooling sums in a bf16 accumulator ([`PoolSum::Bf16`]).
-    bf16_sum: i32,
-    eps: f32,
-    pad2: f32,
-    comp: [PostComp; 2],
+/// Rows `[first, first + rows)` (tokens, or pool rows) of `width` bf16 values at `ptr`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DevRows {
+    pub ptr: u64,
+    pub first: usize,
+    pub rows: usize,
+    pub width: usize,
 }
 
 /// Which window rows a feed keeps for the caller to read (see [`GpuCache::chunk_window`]).
@@ -357,10 +313,6 @@ pub struct GpuCache {
     order: Event,
     /// Benchmark switch: run the projections only (no window, pools or norms).
     pub gemm_only: bool,
-    /// `PD_BRIDGE_GPU_FUSED=1`: one `v4_post` launch per V4 layer and chunk (plus the ratio-128
-    /// pooling) instead of the separate kernels. Same results; measured slower on the H200 (its
-    /// blocks are longer and it overlaps the next GEMM less), so off by default.
-    pub fused: bool,
     /// Last: every buffer above is freed on one of these (stream-ordered) before they go.
     /// `post` runs the kernels after the projections and owns the layer state: layer L on
     /// `post[L % post.len()]`. The layers' states are independent, so with several post streams
@@ -465,7 +417,6 @@ impl GpuCache {
             layers,
             order: Event::new()?,
             gemm_only: false,
-            fused: std::env::var("PD_BRIDGE_GPU_FUSED").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -480,7 +431,7 @@ impl GpuCache {
         self.post[self.post_of(layer)].0
     }
 
-    fn post_of(&self, layer: usize) -> usize {
+    pub(crate) fn post_of(&self, layer: usize) -> usize {
         layer % self.post.len()
     }
 
@@ -692,145 +643,10 @@ impl GpuCache {
         Ok(())
     }
 
-    /// A V4 layer's post-projection work as one launch of `v4_post` (see kernels.cu).
-    fn feed_post_fused(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
-        let bf16_sum = self.steps.pool_sum == PoolSum::Bf16;
-        let model = self.model.clone();
-        let pi = self.post_of(layer);
-        let LayerDev::V4 { hd, size, eps, kv_norm, rope, comps, .. } = &model.layers[layer] else { unreachable!("V4 only") };
-        let hd = *hd;
-        let end = start + rows;
-        let streaming = self.window_rows == WindowRows::All;
-        let retain = size - 1 + self.steps.step;
-        let nw = if streaming { rows } else { rows.min(retain) };
-        let first = rows - nw;
-        let step = self.steps.step;
-        let lr = &mut self.layers[layer];
-        let chunk_win = if streaming {
-            lr.chunk_win.reserve(nw * hd * BF)?;
-            lr.chunk_win_span = (start + first, nw);
-            lr.chunk_win.ptr
-        } else {
-            0
-        };
-        let total = (lr.win_rows + nw).min(retain);
-        let from_new = nw.min(total);
-        let from_old = total - from_new;
-        let nxt = 1 - lr.cur;
-        lr.win[nxt].reserve(retain * hd * BF)?;
-        let mut post = Post {
-            y,
-            kv_norm: kv_norm.ptr,
-            win_inv: rope.inv.ptr,
-            chunk_win,
-            win_new: lr.win[nxt].ptr,
-            win_old: lr.win[lr.cur].ptr,
-            ys: ntot as i64,
-            start: start as i64,
-            win_pos0: (start + first) as i64,
-            step: step as i32,
-            hd: hd as i32,
-            win_pairs: rope.pairs as i32,
-            nw: nw as i32,
-            first: first as i32,
-            from_old: from_old as i32,
-            old_skip: (lr.win_rows - from_old) as i32,
-            from_new: from_new as i32,
-            ncomp: comps.len() as i32,
-            bf16_sum: bf16_sum as i32,
-            eps: *eps,
-            pad2: 0.0,
-            comp: [PostComp::default(); 2],
-        };
-        lr.cur = nxt;
-        lr.win_rows = total;
-        let mut blocks = from_old + nw;
-        // Ratio-128 (non-overlapped) pools: pool_simple + norm_rope after v4_post.
-        let mut simple = vec![];
-        for (ci, c) in comps.iter().enumerate() {
-            let r = c.ratio;
-            if r != 4 && r > 128 {
-                return Err(CoreError::config("compress_ratios", format!("the GPU path pools ratios up to 128, not {r}")));
-            }
-            let cr = &mut lr.comps[ci];
-            if streaming {
-                cr.drained += cr.pooled_rows;
-                cr.pooled_rows = 0;
-            }
-            let base0 = start / r * r;
-            let windows = end / r - start / r;
-            let rem = end % r;
-            let keep = rem + if r == 4 { r.min(end - rem) } else { 0 };
-            cr.pooled.grow_keep((cr.pooled_rows + windows).max(1) * c.hd * BF, cr.pooled_rows * c.hd * BF)?;
-            let nxt = 1 - cr.cur;
-            cr.stash[nxt].reserve(2 * r * 2 * c.od * BF)?;
-            post.comp[ci] = PostComp {
-                ape: c.ape.ptr,
-                norm: c.norm.ptr,
-                inv: c.rope.inv.ptr,
-                stash: cr.stash[cr.cur].ptr,
-                new_stash: cr.stash[nxt].ptr,
-                out: cr.pooled.ptr + (cr.pooled_rows * c.hd * BF) as u64,
-                seq0: (start - cr.stash_rows) as i64,
-                base0: base0 as i64,
-                t0_keep: (end - keep) as i64,
-                pos0: (base0 / c.rope.freq_scale) as i64,
-                ycol: c.col as i32,
-                ratio: r as i32,
-                hd: c.hd as i32,
-                od: c.od as i32,
-                w: windows as i32,
-                keep: keep as i32,
-                pairs: c.rope.pairs as i32,
-                pad: 0,
-            };
-            if r != 4 {
-                simple.push((ci, post.comp[ci]));
-                post.comp[ci].w = 0;
-            }
-            cr.cur = nxt;
-            cr.stash_rows = keep;
-            cr.pooled_rows += windows;
-            blocks += post.comp[ci].w as usize + keep;
-        }
-        let s = self.post_stream(layer);
-        let mut a = Args::new().p(post);
-        model.dev.launch("v4_post", (blocks as u32, 1, 1), 256, s, &mut a.ptrs())?;
-        for (ci, pc) in simple {
-            let c = &comps[ci];
-            let windows = pc.w as usize;
-            if windows == 0 {
-                continue;
-            }
-            self.ptmp[pi].reserve(windows * c.hd * BF)?;
-            let out = self.ptmp[pi].ptr;
-            let mut a = Args::new()
-                .p(y)
-                .p(ntot as i64)
-                .p(pc.ycol)
-                .p(start as i64)
-                .p(pc.stash)
-                .p(pc.seq0)
-                .p(pc.base0)
-                .p(windows as i32)
-                .p(c.hd as i32)
-                .p(c.ratio as i32)
-                .p(c.ape.ptr)
-                .p(bf16_sum as i32)
-                .p(out);
-            model.dev.launch2("pool_simple", (c.hd.div_ceil(32) as u32, windows as u32, 1), (32, 8), s, &mut a.ptrs())?;
-            self.norm_rope(s, out, c.hd, pc.out, c.hd, windows, c.hd, Some((c.norm.ptr, *eps)), None, Some((&c.rope, pc.pos0 as usize)))?;
-        }
-        Ok(())
-    }
-
     /// The kernels after the projections (on the post stream): window, pools, MLA rows.
     fn feed_post(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
         let bf16_sum = self.steps.pool_sum == PoolSum::Bf16;
         let model = self.model.clone();
-        if self.fused && matches!(model.layers[layer], LayerDev::V4 { .. }) {
-            return self.feed_post_fused(layer, start, rows, y, ntot);
-        }
         let s = self.post_stream(layer);
         let pi = self.post_of(layer);
         let end = start + rows;
@@ -1095,23 +911,26 @@ impl GpuCache {
             .collect())
     }
 
-    /// Device buffers holding what the last feed of `layer` produced, in streaming mode
-    /// ([`WindowRows::All`]): V4 `[window rows of the chunk, new pool rows per pool]`, MLA
-    /// `[latent rows, k_pe rows]`, as `(device pointer, bf16 elements)`. Valid on the post stream
-    /// until the next feed of the layer.
-    pub(crate) fn chunk_outputs(&self, layer: usize) -> Vec<(u64, usize)> {
+    /// What the last feed of `layer` produced, in streaming mode ([`WindowRows::All`]): V4
+    /// `[the chunk's window rows, then each pool's new rows]`, MLA `[latent rows, k_pe rows]`.
+    /// Valid on the layer's post stream until its next feed.
+    pub(crate) fn chunk_outputs(&self, layer: usize) -> Vec<DevRows> {
         let lr = &self.layers[layer];
         match &self.model.layers[layer] {
             LayerDev::V4 { hd, comps, .. } => {
-                let mut v = vec![(lr.chunk_win.ptr, lr.chunk_win_span.1 * hd)];
+                let (t0, rows) = lr.chunk_win_span;
+                let mut v = vec![DevRows { ptr: lr.chunk_win.ptr, first: t0, rows, width: *hd }];
                 for (c, cr) in comps.iter().zip(&lr.comps) {
-                    v.push((cr.pooled.ptr, cr.pooled_rows * c.hd));
+                    v.push(DevRows { ptr: cr.pooled.ptr, first: cr.drained, rows: cr.pooled_rows, width: c.hd });
                 }
                 v
             }
             LayerDev::Mla { rank, rope_dim, .. } => {
                 let held = lr.processed - lr.mla_base;
-                vec![(lr.latent.ptr, held * rank), (lr.kpe.ptr, held * rope_dim)]
+                vec![
+                    DevRows { ptr: lr.latent.ptr, first: lr.mla_base, rows: held, width: *rank },
+                    DevRows { ptr: lr.kpe.ptr, first: lr.mla_base, rows: held, width: *rope_dim },
+                ]
             }
         }
     }
