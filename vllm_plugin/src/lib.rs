@@ -277,11 +277,8 @@ fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mu
         // What `wire::send_segment` puts on the wire: the frame in its encrypted records.
         *bytes += pd_bridge_core::wire::secure::frame_wire_bytes((4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64);
         digest.update(header);
-        for a in &seg.arrays {
-            for v in a {
-                digest.update(v.to_le_bytes());
-            }
-        }
+        // The arrays' little-endian bytes in order are the segment's body as it lies.
+        digest.update(seg.body_bytes());
         *count += 1;
         outbox.push(seg);
     }
