@@ -279,14 +279,16 @@ fn shape_is(s: &ArrayShape, rows: usize, width: usize) -> std::result::Result<()
 
 /// The first value that is NaN or infinite: bf16 with every exponent bit set.
 pub fn first_not_finite(a: &[bf16]) -> Option<(usize, bf16)> {
-    // Chunked so the common all-finite case is a branch-free OR over the exponent bits.
-    const EXP: u16 = 0x7F80;
+    use half::slice::HalfFloatSliceExt;
+    // (bits & 0x7F80) + 0x80 reaches 0x8000 exactly when the exponent is all ones: an OR over
+    // a chunk is plain 16-bit lane arithmetic the compiler vectorizes; only a hit is located.
+    let bits: &[u16] = a.reinterpret_cast();
     let mut at = 0;
-    for chunk in a.chunks(256) {
-        let any = chunk.iter().fold(0u16, |acc, v| acc | (((v.to_bits() & EXP) == EXP) as u16));
-        if any != 0 {
-            let k = chunk.iter().position(|v| v.to_bits() & EXP == EXP).unwrap_or(0);
-            return Some((at + k, chunk[k]));
+    for chunk in bits.chunks(1024) {
+        let any = chunk.iter().fold(0u16, |acc, &b| acc | ((b & 0x7F80) + 0x0080));
+        if any & 0x8000 != 0 {
+            let k = chunk.iter().position(|&b| b & 0x7F80 == 0x7F80).unwrap_or(0);
+            return Some((at + k, a[at + k]));
         }
         at += chunk.len();
     }
