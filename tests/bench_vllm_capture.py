@@ -32,6 +32,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "prefill"))
 import tiny_mla_hf  # noqa: E402  (shared test helpers)
 TOKEN = "bench-token"
+# The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
+SECRET = "5e" * 32
 BLOCK = 256
 
 
@@ -56,7 +58,7 @@ def _driver(work: Path) -> None:
         nonlocal seq
         seq += 1
         ids = tiny_mla_hf.prompt_ids(n, 1000 + seq)
-        extra = {"kv_transfer_params": {"pd_capture": {"request_id": f"{tag}-{seq}", "block_size": BLOCK}}} if capture else None
+        extra = {"kv_transfer_params": {"pd_capture": {"request_id": f"{tag}-{seq}", "block_size": BLOCK, "secret": SECRET}}} if capture else None
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=extra)
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
@@ -67,7 +69,7 @@ def _driver(work: Path) -> None:
             t = time.perf_counter()
             with tempfile.TemporaryDirectory() as d:
                 blocks, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), rec["rid"], fp,
-                                                        pd_bridge_omlx.BlockWriter(d, "tiny-mla", BLOCK, ids), timeout_seconds=60.0)
+                                                        pd_bridge_omlx.BlockWriter(d, "tiny-mla", BLOCK, ids), timeout_seconds=60.0, secret=SECRET, token_ids=ids)
             rec.update(blocks=blocks, verdict=json.loads(verdict), ingest_s=time.perf_counter() - t)
         return rec
 

@@ -254,7 +254,8 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
     cap_inputs = native.capture
     weights = pd_bridge_vllm.Weights.load(str(model_dir))
     server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"shared-secret")
-    capture = pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, server, OMLX.omlx_format)
+    secret = pd_bridge_omlx.capture_secret()
+    capture = pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, server, OMLX.omlx_format, secret, pd_bridge_vllm.prompt_digest(list(native.ids)))
     verdicts = []
 
     def prefill():
@@ -271,7 +272,7 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
         arrived = []
         blocks, verdict = pd_bridge_omlx.ingest(
             "127.0.0.1", server.port, b"shared-secret", "req-1", pd_bridge_omlx.Weights.load(str(model_dir)).fingerprint,
-            writer, on_block=arrived.append,
+            writer, on_block=arrived.append, secret=secret, token_ids=list(native.ids),
         )
         producer.join()
         registered = rescan(s)["registered"]

@@ -38,6 +38,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 TOKEN = b"bench-token"
+# The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
+SECRET = "5e" * 32
 
 
 def free_port() -> int:
@@ -96,7 +98,7 @@ def engine(a) -> None:
     def one(n: int, capture: bool, tag: str) -> dict:
         ids = [rng.randrange(2, 1000) for _ in range(n)]
         rid = f"bench-{tag}-{n}"
-        params = {"pd_capture": {"request_id": rid, "block_size": block, "omlx_format": a.omlx_format}} if capture else {}
+        params = {"pd_capture": {"request_id": rid, "block_size": block, "omlx_format": a.omlx_format, "secret": SECRET}} if capture else {}
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"kv_transfer_params": params} if params else None)
         pulled: dict = {}
         puller = None
@@ -106,7 +108,7 @@ def engine(a) -> None:
             def pull():
                 try:
                     w = pd_bridge_omlx.BlockWriter(str(dest), "bench", block, ids, a.omlx_format)
-                    n_blocks, seal = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN, rid, decoder.fingerprint, w, timeout_seconds=600.0)
+                    n_blocks, seal = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN, rid, decoder.fingerprint, w, timeout_seconds=600.0, secret=SECRET, token_ids=ids)
                     w.flush()
                     pulled.update(blocks=n_blocks, seal=json.loads(seal), t_end=time.monotonic())
                 except Exception as e:  # reported in the run's figures

@@ -27,6 +27,8 @@ sys.path.insert(0, str(HERE))
 import tiny_mla_hf  # noqa: E402  (shared test helpers)
 sys.path.insert(0, str(HERE.parent))
 TOKEN = "test-token"
+# The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
+SECRET = "5e" * 32
 BLOCK = 256
 PROMPT_LEN = 2400  # 9 whole 256-token blocks and a 96-token tail
 SHORT_LEN = 700
@@ -67,7 +69,7 @@ def _driver(work: Path) -> None:
         return TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra, logprobs=5)
 
     long_a, short_b = tiny_mla_hf.prompt_ids(PROMPT_LEN, 1), tiny_mla_hf.prompt_ids(SHORT_LEN, 2)
-    cap = lambda rid, **kw: {"pd_capture": {"request_id": rid, "block_size": BLOCK, **kw}}  # noqa: E731
+    cap = lambda rid, **kw: {"pd_capture": {"request_id": rid, "block_size": BLOCK, "secret": SECRET, **kw}}  # noqa: E731
     batches = {
         # One batch: two captured copies of the same prompt, an uncaptured prompt, a malformed
         # capture, a capture on a mismatched fingerprint, and a short captured prompt that then
@@ -102,7 +104,7 @@ def _driver(work: Path) -> None:
             cache = work / "blocks" / rid
             writer = pd_bridge_omlx.BlockWriter(str(cache), "tiny-mla", BLOCK, ids)
             try:
-                n, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), rid, fp, writer, timeout_seconds=30.0)
+                n, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), rid, fp, writer, timeout_seconds=30.0, secret=SECRET, token_ids=ids)
                 ingested[rid] = {"blocks": n, "verdict": json.loads(verdict), "dir": str(cache)}
             except Exception as e:  # recorded; the test decides
                 ingested[rid] = {"error": str(e)}
@@ -239,7 +241,8 @@ def _replay(run, rid, tmp_path, piece: int) -> dict:
     n = run["outputs"][rid]["prompt_len"]
     w = pd_bridge_vllm.Weights.load(str(run["mlx"]))
     server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
-    cap = pd_bridge_vllm.Capture(w, f"replay-{rid}", n, BLOCK, server)
+    ids = run["long"] if n == PROMPT_LEN else run["short"]
+    cap = pd_bridge_vllm.Capture(w, f"replay-{rid}", n, BLOCK, server, secret=SECRET, prompt_digest=pd_bridge_vllm.prompt_digest(ids))
     fed = {layer: tiny_mla_hf.whole(chunks) for layer, chunks in fed_inputs(run, rid).items()}
     row = 256 * 2
     for s in range(0, n, piece):
@@ -247,9 +250,8 @@ def _replay(run, rid, tmp_path, piece: int) -> dict:
             cap.feed(layer, s, fed[layer][s * row : min(s + piece, n) * row])
     assert json.loads(cap.seal())["verdict"] == "complete"
     out = tmp_path / f"replay-{rid}"
-    ids = run["long"] if n == PROMPT_LEN else run["short"]
     writer = pd_bridge_omlx.BlockWriter(str(out), "tiny-mla", BLOCK, ids)
-    got, _ = pd_bridge_omlx.ingest("127.0.0.1", server.port, b"k", f"replay-{rid}", w.fingerprint, writer, timeout_seconds=30.0)
+    got, _ = pd_bridge_omlx.ingest("127.0.0.1", server.port, b"k", f"replay-{rid}", w.fingerprint, writer, timeout_seconds=30.0, secret=SECRET, token_ids=ids)
     assert got == n // BLOCK
     return tiny_mla_hf.block_tensors(str(out))
 
@@ -312,6 +314,7 @@ class _Req:
         from vllm.v1.request import RequestStatus
 
         self.request_id, self.num_prompt_tokens, self.kv_transfer_params, self.status = rid, n, params, RequestStatus.RUNNING
+        self.prompt_token_ids = list(range(n))
 
 
 def _connector(role, mlx, port, kv_block=16):
@@ -392,7 +395,7 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
     port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mlx, port), _connector("w", mlx, port + 0)
     n, kvb = 600, 16
-    sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "chunked", "block_size": BLOCK}}))
+    sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "chunked", "block_size": BLOCK, "secret": SECRET}}))
     sched.on_new_request(_Req("other", 50, None))
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, n, 256, generator=g).to(torch.bfloat16)
@@ -434,15 +437,15 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
 
         w = pd_bridge_vllm.Weights.load(str(mlx))
         srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
-        one = pd_bridge_vllm.Capture(w, "oneshot", n, BLOCK, srv)
+        ids = list(range(n))
+        one = pd_bridge_vllm.Capture(w, "oneshot", n, BLOCK, srv, secret=SECRET, prompt_digest=pd_bridge_vllm.prompt_digest(ids))
         for layer in range(3):
             one.feed(layer, 0, hidden[layer].contiguous().view(torch.uint16).numpy().tobytes())
         one.seal()
-        ids = list(range(n))
         got = {}
         for rid, port_, tok in (("chunked", worker.connector_worker._server.port, b"t"), ("oneshot", srv.port, b"k")):
             d = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdb-{os.getpid()}-{rid}"
-            nblk, _ = pd_bridge_omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, pd_bridge_omlx.BlockWriter(str(d), "m", BLOCK, ids), timeout_seconds=30.0)
+            nblk, _ = pd_bridge_omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, pd_bridge_omlx.BlockWriter(str(d), "m", BLOCK, ids), timeout_seconds=30.0, secret=SECRET, token_ids=ids)
             assert nblk == n // BLOCK
             got[rid] = tiny_mla_hf.block_tensors(str(d))
         assert got["chunked"] == got["oneshot"] and len(got["chunked"]) == n // BLOCK
@@ -456,8 +459,8 @@ def test_abort_mid_prefill_seals_aborted_with_the_reason(model, monkeypatch):
     _, mlx = model
     port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mlx, port), _connector("w", mlx, port)
-    sched.on_new_request(_Req("r2", 600, {"pd_capture": {"request_id": "ab", "block_size": BLOCK}}))
-    sched.on_new_request(_Req("r3", 300, {"pd_capture": {"request_id": "never", "block_size": BLOCK}}))
+    sched.on_new_request(_Req("r2", 600, {"pd_capture": {"request_id": "ab", "block_size": BLOCK, "secret": SECRET}}))
+    sched.on_new_request(_Req("r3", 300, {"pd_capture": {"request_id": "never", "block_size": BLOCK, "secret": SECRET}}))
     meta = sched.build_connector_meta(_sched_out(new=[("r2", list(range(20)), 0)], n={"r2": 300}))
     worker.bind_connector_metadata(meta)  # (the forward ran no tap here: the step fails the capture)
     r2, r3 = _Req("r2", 600, None), _Req("r3", 300, None)

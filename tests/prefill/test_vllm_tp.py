@@ -26,6 +26,8 @@ import tiny_mla_hf  # noqa: E402  (shared test helpers)
 sys.path.insert(0, str(HERE.parent))
 TOKEN = "tp-token"
 BLOCK = 256
+# The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
+SECRET = "5e" * 32
 PROMPT_LEN = 1300  # 5 whole blocks and a 20-token tail
 
 
@@ -45,7 +47,7 @@ def _driver(work: Path) -> None:
     def req(params):
         return TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": params}, logprobs=5)
 
-    cap = lambda rid: {"pd_capture": {"request_id": rid, "block_size": BLOCK}}  # noqa: E731
+    cap = lambda rid: {"pd_capture": {"request_id": rid, "block_size": BLOCK, "secret": SECRET}}  # noqa: E731
     outputs = {}
     for batch in ([("tp-a", cap("tp-a")), ("tp-b", cap("tp-b")), ("plain", None)], [("tp-c", cap("tp-c"))]):
         items = [req(p) if p is not None else (TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)) for _, p in batch]
@@ -63,7 +65,7 @@ def _driver(work: Path) -> None:
         cache = work / "blocks" / rid
         writer = pd_bridge_omlx.BlockWriter(str(cache), "tiny-mla", BLOCK, ids)
         try:
-            n, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), rid, fp, writer, timeout_seconds=30.0)
+            n, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), rid, fp, writer, timeout_seconds=30.0, secret=SECRET, token_ids=ids)
             ingested[rid] = {"blocks": n, "verdict": json.loads(verdict), "dir": str(cache)}
         except Exception as e:
             ingested[rid] = {"error": str(e)}
@@ -150,12 +152,12 @@ def test_tp2_segments_equal_the_core_on_rank0s_inputs(run, tmp_path):
         tiny_mla_hf.assert_fed_once(fed, PROMPT_LEN, rid)
         fed_of[rid] = {layer: tiny_mla_hf.whole(chunks) for layer, chunks in fed.items()}
         srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
-        cap = pd_bridge_vllm.Capture(w, f"replay-{rid}", PROMPT_LEN, BLOCK, srv)
+        cap = pd_bridge_vllm.Capture(w, f"replay-{rid}", PROMPT_LEN, BLOCK, srv, secret=SECRET, prompt_digest=pd_bridge_vllm.prompt_digest(run["ids"]))
         for layer in range(3):
             cap.feed(layer, 0, fed_of[rid][layer])
         cap.seal()
         out = tmp_path / rid
-        n, _ = pd_bridge_omlx.ingest("127.0.0.1", srv.port, b"k", f"replay-{rid}", w.fingerprint, pd_bridge_omlx.BlockWriter(str(out), "tiny-mla", BLOCK, run["ids"]), timeout_seconds=30.0)
+        n, _ = pd_bridge_omlx.ingest("127.0.0.1", srv.port, b"k", f"replay-{rid}", w.fingerprint, pd_bridge_omlx.BlockWriter(str(out), "tiny-mla", BLOCK, run["ids"]), timeout_seconds=30.0, secret=SECRET, token_ids=run["ids"])
         assert n == PROMPT_LEN // BLOCK and tiny_mla_hf.block_tensors(str(out)) == streamed[rid], rid
     for x, y in (("tp-a", "tp-b"), ("tp-a", "tp-c")):
         if fed_of[x] == fed_of[y]:

@@ -39,6 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import tiny_mla_hf  # noqa: E402  (shared test helpers)
 BLOCK = 256
+# The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
+SECRET = "5e" * 32
 
 sys.path.insert(0, str(HERE.parent))
 import engines  # noqa: E402
@@ -339,6 +341,7 @@ class _Req:
         from vllm.v1.request import RequestStatus
 
         self.request_id, self.num_prompt_tokens, self.kv_transfer_params, self.status = rid, n, params, RequestStatus.RUNNING
+        self.prompt_token_ids = list(range(n))
 
 
 def _sched_out(new=(), n=None):
@@ -364,7 +367,7 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
     port = tiny_mla_hf.free_port()
     sched, worker = _connector("s", mla_weights, port), _connector("w", mla_weights, port)
     assert worker.connector_worker._tap_ok
-    sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "v4cap", "block_size": BLOCK}}))
+    sched.on_new_request(_Req("r1", n, {"pd_capture": {"request_id": "v4cap", "block_size": BLOCK, "secret": SECRET}}))
     blocks = list(range(40, 40 + (n + kvb - 1) // kvb))
     meta = sched.build_connector_meta(_sched_out(new=[("r1", blocks, 0)], n={"r1": n, "other": 1}))
     assert [(c.start, c.num_tokens, c.is_last) for c in meta.chunks] == [(0, n, True)]
@@ -400,14 +403,14 @@ def test_connector_captures_through_the_v4_forwards(tap, mla_weights, monkeypatc
     omlx = engines.require("pd_bridge_omlx")
     w = pd_bridge_vllm.Weights.load(str(mla_weights))
     srv = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
-    one = pd_bridge_vllm.Capture(w, "oneshot", n, BLOCK, srv)
+    one = pd_bridge_vllm.Capture(w, "oneshot", n, BLOCK, srv, secret=SECRET, prompt_digest=pd_bridge_vllm.prompt_digest(list(range(n))))
     for layer in range(3):
         one.feed(layer, 0, hid[layer].contiguous().view(torch.uint16).numpy().tobytes())
     one.seal()
     got = {}
     for rid, port_, tok in (("v4cap", worker.connector_worker._server.port, b"t"), ("oneshot", srv.port, b"k")):
         d = tmp_path / rid
-        nblk, _ = omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, omlx.BlockWriter(str(d), "m", BLOCK, list(range(n))), timeout_seconds=30.0)
+        nblk, _ = omlx.ingest("127.0.0.1", port_, tok, rid, w.fingerprint, omlx.BlockWriter(str(d), "m", BLOCK, list(range(n))), timeout_seconds=30.0, secret=SECRET, token_ids=list(range(n)))
         assert nblk == n // BLOCK
         got[rid] = tiny_mla_hf.block_tensors(str(d))
     assert got["v4cap"] == got["oneshot"] and len(got["v4cap"]) == n // BLOCK

@@ -77,8 +77,10 @@ pub trait FrameSink {
 
 /// Where frames come from.
 pub trait FrameSource {
-    /// The next frame; its declared length is checked against `limits` before it is read.
-    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, Vec<u8>)>;
+    /// The next frame; its declared length is checked against `limits` before it is read. The
+    /// payload is borrowed from the source's buffer, reused for the next frame (a stream of
+    /// block-sized frames then costs one buffer, not a fresh allocation each).
+    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, &[u8])>;
 }
 
 /// Plain frames appended to a buffer (in memory only).
@@ -95,24 +97,54 @@ impl FrameSink for Vec<u8> {
 
 /// Plain frames read from a byte slice, which advances past each frame (in memory only).
 impl FrameSource for &[u8] {
-    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, Vec<u8>)> {
-        read_plain(self, limits)
+    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, &[u8])> {
+        let head: [u8; FRAME_HEAD] = self.get(..FRAME_HEAD).and_then(|h| h.try_into().ok()).ok_or_else(|| CoreError::wire("stream ended before a frame header"))?;
+        let (kind, len) = parse_head(&head, limits)?;
+        let rest = &self[FRAME_HEAD..];
+        if (rest.len() as u64) < len {
+            return Err(CoreError::wire(format!("stream ended inside a {len}-byte {kind:?} frame ({} bytes left)", rest.len())));
+        }
+        let (payload, after) = rest.split_at(len as usize);
+        *self = after;
+        Ok((kind, payload))
     }
 }
 
 /// Plain frames over any reader (in memory only: the network is always the encrypted channel).
-pub struct PlainFrames<R>(pub R);
+pub struct PlainFrames<R> {
+    inner: R,
+    payload: Vec<u8>,
+}
+
+impl<R> PlainFrames<R> {
+    pub fn new(inner: R) -> Self {
+        PlainFrames { inner, payload: Vec::new() }
+    }
+}
 
 impl<R: Read> FrameSource for PlainFrames<R> {
-    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, Vec<u8>)> {
-        read_plain(&mut self.0, limits)
+    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, &[u8])> {
+        let mut head = [0u8; FRAME_HEAD];
+        self.inner.read_exact(&mut head).map_err(|e| CoreError::wire(format!("stream ended before a frame header: {e}")))?;
+        let (kind, len) = parse_head(&head, limits)?;
+        let payload = &mut self.payload;
+        payload.clear();
+        let mut left = len as usize;
+        while left > 0 {
+            let n = left.min(GROW_STEP);
+            let at = payload.len();
+            payload.resize(at + n, 0);
+            self.inner.read_exact(&mut payload[at..]).map_err(|e| CoreError::wire(format!("stream ended inside a {len}-byte {kind:?} frame: {e}")))?;
+            left -= n;
+        }
+        Ok((kind, payload))
     }
 }
 
 impl<W: Write> FrameSink for PlainFrames<W> {
     fn send_parts(&mut self, kind: FrameKind, parts: &[&[u8]]) -> Result<()> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let w = &mut self.0;
+        let w = &mut self.inner;
         let mut go = || -> std::io::Result<()> {
             w.write_all(&encode_head(kind, len as u64))?;
             for p in parts {
@@ -122,20 +154,4 @@ impl<W: Write> FrameSink for PlainFrames<W> {
         };
         go().map_err(|e| CoreError::wire(format!("send failed: {e}")))
     }
-}
-
-fn read_plain(r: &mut impl Read, limits: &FrameLimits) -> Result<(FrameKind, Vec<u8>)> {
-    let mut head = [0u8; FRAME_HEAD];
-    r.read_exact(&mut head).map_err(|e| CoreError::wire(format!("stream ended before a frame header: {e}")))?;
-    let (kind, len) = parse_head(&head, limits)?;
-    let mut payload = Vec::new();
-    let mut left = len as usize;
-    while left > 0 {
-        let n = left.min(GROW_STEP);
-        let at = payload.len();
-        payload.resize(at + n, 0);
-        r.read_exact(&mut payload[at..]).map_err(|e| CoreError::wire(format!("stream ended inside a {len}-byte {kind:?} frame: {e}")))?;
-        left -= n;
-    }
-    Ok((kind, payload))
 }

@@ -11,6 +11,8 @@
 //! clear text) is refused by name.
 
 pub mod frame;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod limits;
 pub mod secure;
 
@@ -86,7 +88,7 @@ impl<F: FrameSource> SegmentReader<F> {
         let (kind, payload) = self.inner.next_frame(&self.limits)?;
         match kind {
             FrameKind::Segment => {
-                let seg = Segment::decode(&payload)?;
+                let seg = Segment::decode(payload)?;
                 let h = &seg.header;
                 if h.request_id != self.request_id {
                     return Err(CoreError::wire(format!("segment for request {:?}, expected {:?}", h.request_id, self.request_id)));
@@ -102,7 +104,7 @@ impl<F: FrameSource> SegmentReader<F> {
                 Ok(Event::Segment(seg))
             }
             FrameKind::Seal => {
-                let seal: Seal = serde_json::from_slice(&payload).map_err(|e| CoreError::wire(format!("seal: {e}")))?;
+                let seal: Seal = serde_json::from_slice(payload).map_err(|e| CoreError::wire(format!("seal: {e}")))?;
                 let blocks = match &seal {
                     Seal::Complete { blocks, .. } | Seal::Partial { blocks, .. } | Seal::Aborted { blocks, .. } => *blocks,
                 };
@@ -112,7 +114,7 @@ impl<F: FrameSource> SegmentReader<F> {
                 self.sealed = true;
                 Ok(Event::Seal(seal))
             }
-            FrameKind::Error => Err(CoreError::wire(format!("prefill host: {}", String::from_utf8_lossy(&payload)))),
+            FrameKind::Error => Err(CoreError::wire(format!("prefill host: {}", String::from_utf8_lossy(payload)))),
             other => Err(CoreError::wire(format!("unexpected {other:?} frame"))),
         }
     }

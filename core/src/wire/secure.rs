@@ -138,6 +138,10 @@ impl std::fmt::Debug for CaptureKey {
 }
 
 impl CaptureKey {
+    pub(super) fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
     /// HKDF-SHA256: the shared token is the input key, the per-request secret the salt, and the
     /// wire version, capture id, weights fingerprint and prompt digest (each length-prefixed)
     /// the info.
@@ -160,6 +164,10 @@ impl CaptureKey {
 }
 
 /// What both sides bind into the handshake: everything the hello carried in the clear.
+pub(super) fn prologue_for(request_id: &str) -> Vec<u8> {
+    prologue(request_id)
+}
+
 fn prologue(request_id: &str) -> Vec<u8> {
     let mut p = Vec::with_capacity(8 + request_id.len());
     p.extend_from_slice(MAGIC);
@@ -325,6 +333,10 @@ pub fn frame_wire_bytes(payload: u64) -> u64 {
     plain + records * (2 + TAG as u64)
 }
 
+fn not_authentic() -> CoreError {
+    CoreError::wire("a transport record failed authentication: the stream was altered, or is not from this session")
+}
+
 /// Frames inside Noise transport messages over `S`.
 pub struct SecureChannel<S> {
     stream: S,
@@ -334,15 +346,22 @@ pub struct SecureChannel<S> {
     plain: Box<[u8]>,
     /// Records waiting to be written.
     out: Vec<u8>,
+    /// The frame being read, reused from frame to frame.
+    payload: Vec<u8>,
 }
 
 impl<S> SecureChannel<S> {
     fn new(stream: S, transport: snow::TransportState) -> Self {
-        SecureChannel { stream, transport, record: vec![0u8; MAX_RECORD].into_boxed_slice(), plain: vec![0u8; MAX_RECORD].into_boxed_slice(), out: Vec::with_capacity(WRITE_BATCH + MAX_RECORD + 2) }
+        SecureChannel { stream, transport, record: vec![0u8; MAX_RECORD].into_boxed_slice(), plain: vec![0u8; MAX_RECORD].into_boxed_slice(), out: Vec::with_capacity(WRITE_BATCH + MAX_RECORD + 2), payload: Vec::new() }
     }
 
     pub fn get_ref(&self) -> &S {
         &self.stream
+    }
+
+    /// A channel on an already established session (the fuzz targets' in-memory sessions).
+    pub(super) fn for_fuzzing(stream: S, transport: snow::TransportState) -> Self {
+        Self::new(stream, transport)
     }
 
     pub fn get_mut(&mut self) -> &mut S {
@@ -359,6 +378,12 @@ impl<S: Write> SecureChannel<S> {
         self.out[at..at + 2].copy_from_slice(&(n as u16).to_be_bytes());
         self.out.truncate(at + 2 + n);
         Ok(())
+    }
+
+    /// One record of arbitrary plaintext, written at once (the fuzz targets' hostile sender).
+    pub(super) fn record_for_fuzzing(&mut self, plaintext: &[u8]) -> Result<()> {
+        self.seal_record(plaintext)?;
+        self.write_out()
     }
 
     fn write_out(&mut self) -> Result<()> {
@@ -428,8 +453,28 @@ impl<S: Write> FrameSink for SecureChannel<S> {
 }
 
 impl<S: Read> SecureChannel<S> {
+    /// One continuation record of a `len`-byte frame, decrypted in place at the payload's end.
+    fn continue_frame(&mut self, payload: &mut Vec<u8>, kind: FrameKind, len: usize) -> Result<()> {
+        let n = self.read_ciphertext(Some((kind, len as u64)))?;
+        let left = len - payload.len();
+        if n - TAG == 0 || n - TAG > left {
+            return Err(CoreError::wire(format!("record of {} bytes where {left} of a {len}-byte {kind:?} frame remain", n - TAG)));
+        }
+        let at = payload.len();
+        payload.resize(at + n, 0);
+        let got = self.transport.read_message(&self.record[..n], &mut payload[at..]).map_err(|_| not_authentic());
+        payload.truncate(at + got.as_ref().map_or(0, |g| *g));
+        got.map(|_| ())
+    }
+
     /// Read and decrypt one record into `self.plain`; returns its plaintext length.
     fn open_record(&mut self, inside: Option<(FrameKind, u64)>) -> Result<usize> {
+        let n = self.read_ciphertext(inside)?;
+        self.transport.read_message(&self.record[..n], &mut self.plain).map_err(|_| not_authentic())
+    }
+
+    /// Read one record's ciphertext into `self.record`; returns its length (at least a tag).
+    fn read_ciphertext(&mut self, inside: Option<(FrameKind, u64)>) -> Result<usize> {
         let mut b = [0u8; 2];
         self.stream.read_exact(&mut b).map_err(|e| match inside {
             None => CoreError::wire(format!("stream ended or failed before a frame: {e}")),
@@ -440,14 +485,12 @@ impl<S: Read> SecureChannel<S> {
             return Err(CoreError::wire(format!("transport record of {n} bytes is shorter than its tag")));
         }
         self.stream.read_exact(&mut self.record[..n]).map_err(io("stream ended inside a transport record"))?;
-        self.transport
-            .read_message(&self.record[..n], &mut self.plain)
-            .map_err(|_| CoreError::wire("a transport record failed authentication: the stream was altered, or is not from this session"))
+        Ok(n)
     }
 }
 
 impl<S: Read> FrameSource for SecureChannel<S> {
-    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, Vec<u8>)> {
+    fn next_frame(&mut self, limits: &FrameLimits) -> Result<(FrameKind, &[u8])> {
         let n = self.open_record(None)?;
         if n < FRAME_HEAD {
             return Err(CoreError::wire(format!("record of {n} plaintext bytes cannot start a frame")));
@@ -459,17 +502,22 @@ impl<S: Read> FrameSource for SecureChannel<S> {
         if first > len {
             return Err(CoreError::wire(format!("record carries {first} bytes of a {len}-byte {kind:?} frame")));
         }
-        // Grows as records arrive, never from the declared length alone.
-        let mut payload = Vec::with_capacity(first.max(len.min(4 * MAX_RECORD)));
+        // Grows as records arrive, never from the declared length alone (a reused buffer keeps
+        // the largest frame that actually arrived, at most the cap).
+        let mut payload = std::mem::take(&mut self.payload);
+        payload.clear();
         payload.extend_from_slice(&self.plain[FRAME_HEAD..n]);
         while payload.len() < len {
-            let n = self.open_record(Some((kind, len as u64)))?;
-            if n == 0 || n > len - payload.len() {
-                return Err(CoreError::wire(format!("record of {n} bytes where {} of a {len}-byte {kind:?} frame remain", len - payload.len())));
+            // Continuation records decrypt in place at the payload's end (no staging copy): the
+            // buffer grows by one record's ciphertext, never by more than arrived.
+            let got = self.continue_frame(&mut payload, kind, len);
+            if let Err(e) = got {
+                self.payload = payload;
+                return Err(e);
             }
-            payload.extend_from_slice(&self.plain[..n]);
         }
-        Ok((kind, payload))
+        self.payload = payload;
+        Ok((kind, &self.payload))
     }
 }
 

@@ -34,7 +34,7 @@ import httpx
 
 from . import config as config_mod
 from . import versions
-from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, ingest
+from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, capture_secret, ingest
 from .adapter import index_lock, register_block
 from .verdict import Verdict, native
 
@@ -393,11 +393,15 @@ class Bridge:
             nbytes += size or 0
             registered.append(index)
 
+        # Only this decode host can pull the capture: the wire's key needs this secret (and the
+        # token, and these exact ids), which travels to vLLM only inside this request.
+        secret = capture_secret()
+
         def pull():
             return ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, fingerprint, writer,
-                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control)  # fmt: skip
+                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids)  # fmt: skip
 
-        spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format}
+        spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format, "secret": secret}
         logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id)
         t_ask = time.perf_counter()
         stream = self._io(slot, pull)

@@ -116,7 +116,7 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
         d.skip("weights fingerprint and round trip", "pass --model-dir (the model directory oMLX serves)")
         print(f"{d.failures} problem(s)")
         return 1 if d.failures else 0
-    from ._native import BlockWriter, PdBridgeError, Weights, ingest, inspect_block
+    from ._native import BlockWriter, PdBridgeError, Weights, capture_secret, ingest, inspect_block
 
     model_dir = str(Path(args.model_dir).resolve())
     try:
@@ -136,7 +136,8 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
         fmt = versions.detect().omlx_format
     except versions.UnsupportedOmlxError:
         fmt = None  # reported above; the round trip still checks the link in the default format
-    spec = {"request_id": capture_id, "block_size": block, "fingerprint": weights.fingerprint, **({"omlx_format": fmt} if fmt else {})}
+    secret = capture_secret()
+    spec = {"request_id": capture_id, "block_size": block, "fingerprint": weights.fingerprint, "secret": secret, **({"omlx_format": fmt} if fmt else {})}
     with tempfile.TemporaryDirectory(prefix="pd-bridge-doctor-") as tmp:
         writer = BlockWriter(tmp, model_dir, block, ids[:block], fmt)
         import threading
@@ -145,7 +146,7 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
 
         def pull():
             try:
-                result["ingest"] = ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, weights.fingerprint, writer, timeout_seconds=min(cfg.idle_s, 60.0))
+                result["ingest"] = ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, weights.fingerprint, writer, timeout_seconds=min(cfg.idle_s, 60.0), secret=secret, token_ids=ids[:block])
             except PdBridgeError as e:
                 result["error"] = str(e.args[0]) if e.args else str(e)
 
@@ -158,7 +159,7 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
         t.join(timeout=90.0)
         if "error" in result:
             err = result["error"]
-            fix = "set the same PD_BRIDGE_TOKEN on both hosts" if "unauthorized" in err else "check PD_BRIDGE_SEGMENTS and that the prefill host's segment port is reachable"
+            fix = "set the same PD_BRIDGE_TOKEN on both hosts (and the same pd-bridge version)" if ("refused" in err or "handshake" in err or "wire version" in err) else "check PD_BRIDGE_SEGMENTS and that the prefill host's segment port is reachable"
             d.fail("round trip: segment stream", err, fix)
         elif "ingest" in result:
             blocks, seal = result["ingest"]

@@ -22,6 +22,7 @@ from ._native import (  # noqa: F401
     Weights,
     WeightsError,
     WireError,
+    prompt_digest,
     weights_fingerprint,
 )
 

@@ -53,23 +53,72 @@ class Weights:
     def hidden_size(self) -> int: ...
 
 class SegmentServer:
-    """Serves captured segments to decode hosts that prove the shared token."""
+    """Serves captured segments, encrypted, to decode hosts that prove a capture's key (the
+    shared token, the capture's per-request secret, its id, weights and prompt)."""
 
-    def __init__(self, address: str, token: bytes, idle_seconds: float = 60.0) -> None:
-        """Bind ``address`` (``host:port``; port 0 picks one). Raises ConfigError for a bad
-        ``idle_seconds``, OSError if it cannot bind."""
+    def __init__(
+        self,
+        address: str,
+        token: bytes,
+        idle_seconds: float = 60.0,
+        *,
+        handshake_seconds: float = 10.0,
+        max_connections: int = 64,
+        grace_seconds: float = 30.0,
+        pull_timeout_seconds: float = 120.0,
+        memory_bytes: int = 1 << 30,
+    ) -> None:
+        """Bind ``address`` (``host:port``; port 0 picks one). ``idle_seconds``: how long a stream
+        waits for the next segment (and a pull for its capture to start); ``handshake_seconds``: a
+        connection's deadline to finish the handshake, however slowly it sends;
+        ``max_connections``: open at once (more are refused); ``grace_seconds``: how long a sealed
+        capture nobody pulled is kept; ``pull_timeout_seconds``: how long any unpulled capture is
+        kept; ``memory_bytes``: segment bytes all captures may hold before the oldest unpulled
+        ones are dropped. Raises ConfigError for a bad value, WireError if it cannot bind."""
     @property
     def port(self) -> int:
         """The port it listens on."""
+    @property
+    def address(self) -> str:
+        """``host:port`` it listens on."""
+    @property
+    def outboxes(self) -> int:
+        """Captures held (registered, not yet sent or dropped)."""
+    @property
+    def queued_bytes(self) -> int:
+        """Segment bytes all captures hold now."""
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """SHA-256 (64 hex digits) over a prompt's token ids, as the wire binds them into a capture's
+    key (the connector's scheduler computes it from the ids vLLM prefills)."""
 
 class Capture:
     """One request's capture: attention inputs in, segments out to the server as blocks complete."""
 
     def __init__(
-        self, weights: Weights, request_id: str, prompt_tokens: int, block_size: int, server: SegmentServer, omlx_format: str | None = None
+        self,
+        weights: Weights,
+        request_id: str,
+        prompt_tokens: int,
+        block_size: int,
+        server: SegmentServer,
+        omlx_format: str | None = None,
+        secret: str | None = None,
+        prompt_digest: str | None = None,
     ) -> None:
         """``omlx_format``: the decoder's oMLX block format, as the decode host's capture spec
-        names it (default the fork's); it decides the overlap semantics and what segments carry."""
+        names it (default the fork's); it decides the overlap semantics and what segments carry.
+        ``secret`` (64 hex digits, the decode host's ``pd_capture.secret``) and ``prompt_digest``
+        (``prompt_digest(ids)`` of the ids prefilled) key the capture on the wire: only a decode
+        host holding that secret for this id, weights and prompt can pull it. Without them the
+        capture computes but nothing can pull its segments."""
+    @property
+    def stream_closed(self) -> str | None:
+        """Why the segment stream stopped before its seal went out (reader gone, never pulled,
+        dropped by the memory bound), else None: such a capture is no longer worth feeding."""
     def resume(self, carry_state: bytes) -> int:
         """Resume this capture, before anything is fed, at the block boundary the decode host's
         carry state names (the bytes ``pd_bridge_omlx._native.carry_state`` read from its block):

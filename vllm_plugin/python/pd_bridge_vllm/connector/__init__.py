@@ -6,11 +6,13 @@ Load it with::
                         "kv_connector_module_path": "pd_bridge_vllm.connector",
                         "kv_role": "kv_producer",
                         "kv_connector_extra_config": {"weights": DIR, "port": P, "token": T,
-                                                      "address": "0.0.0.0"}}
+                                                      "address": "10.0.0.5"}}
 
 (or set PD_BRIDGE_VLLM_WEIGHTS / PD_BRIDGE_VLLM_PORT / PD_BRIDGE_VLLM_TOKEN /
-PD_BRIDGE_VLLM_ADDRESS). A request is captured when its ``kv_transfer_params`` hold
-``{"pd_capture": {"request_id": "...", "block_size": 256}}`` (optionally ``"fingerprint"`` and
+PD_BRIDGE_VLLM_ADDRESS; without an address the segment server binds vLLM's ``--host`` or
+loopback, never every interface). A request is captured when its ``kv_transfer_params`` hold
+``{"pd_capture": {"request_id": "...", "block_size": 256, "secret": "<64 hex>"}}`` (the decode
+host's per-request secret, which keys the encrypted stream; optionally ``"fingerprint"`` and
 ``"omlx_format"``, the decoder's block format: its overlap semantics and what segments carry).
 
 Shaped as vLLM's own NIXL and Mooncake connectors are: this class only dispatches by role to

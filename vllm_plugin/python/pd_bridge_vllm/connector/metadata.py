@@ -55,6 +55,12 @@ class CaptureSpec:
     # The decoder's oMLX block format (pd_bridge_omlx.versions), which fixes the overlap
     # semantics and what segments carry; absent: the fork's ("fork-0.7.0").
     omlx_format: str | None = None
+    # The decode host's per-request secret (64 hex digits): with the shared token it keys the
+    # capture on the wire, so only that decode host can pull it. Never logged.
+    secret: str | None = field(default=None, repr=False)
+    # prompt_digest() of the token ids this engine prefills (set by the scheduler side), bound
+    # into the same key: a capture of another prompt never matches the decode host's.
+    prompt_digest: str | None = field(default=None, repr=False)
 
     @staticmethod
     def parse(params: Any) -> CaptureSpec | None:
@@ -74,7 +80,12 @@ class CaptureSpec:
         fmt = spec.get("omlx_format")
         if fmt is not None and not isinstance(fmt, str):
             raise CaptureSpecError(f"{PARAM_KEY}.omlx_format must be a string, got {fmt!r}")
-        return CaptureSpec(rid, bs, fp, fmt)
+        secret = spec.get("secret")
+        if secret is None:
+            raise CaptureSpecError(f"{PARAM_KEY}.secret is missing: the decode host sends a per-request secret (wire version 2; upgrade pd-bridge-omlx)")
+        if not isinstance(secret, str) or len(secret) != 64 or any(c not in "0123456789abcdefABCDEF" for c in secret):
+            raise CaptureSpecError(f"{PARAM_KEY}.secret must be 64 hex digits")
+        return CaptureSpec(rid, bs, fp, fmt, secret)
 
 
 @dataclass

@@ -10,6 +10,7 @@ in the next step's metadata. A producer never loads external KV.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,15 @@ class PdBridgeConnectorScheduler:
             return
         if spec is None:
             return
+        ids = getattr(request, "prompt_token_ids", None)
+        if ids is None:
+            logger.error("pd-bridge: request %s names a capture but has no prompt token ids (embeddings?); it runs without a capture", request.request_id)
+            return
+        from .._native import prompt_digest
+
+        # The ids vLLM prefills, bound into the capture's wire key: the decode host's key
+        # (over the ids it sent and names its blocks by) matches only if they are the same.
+        spec = dataclasses.replace(spec, prompt_digest=prompt_digest(list(ids)))
         self.requests[request.request_id] = _SchedState(spec, request.num_prompt_tokens)
         logger.debug("pd-bridge: request %s captures %r (%d prompt tokens)", request.request_id, spec, request.num_prompt_tokens)
 

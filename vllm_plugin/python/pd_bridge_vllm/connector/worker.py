@@ -40,6 +40,26 @@ class _WorkerCapture:
 # `_WorkerCapture.sealed` while the sealer thread seals it.
 _SEALING = "sealing"
 
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def _default_address() -> str:
+    """Where the segment server listens unless configured: the address vLLM's API server was
+    told to bind (``--host``, as ``vllm serve`` passes it to its processes), else loopback.
+    Never every interface by default: set ``PD_BRIDGE_VLLM_ADDRESS`` (or ``address``) for that."""
+    import sys
+
+    argv = list(getattr(sys, "argv", []) or [])
+    host = None
+    for i, a in enumerate(argv):
+        if a == "--host" and i + 1 < len(argv):
+            host = argv[i + 1]
+        elif a.startswith("--host="):
+            host = a.split("=", 1)[1]
+    if host is None or host.strip() in _WILDCARDS:
+        return "127.0.0.1"
+    return host.strip().strip("[]")
+
 
 class PdBridgeConnectorWorker:
     def __init__(self, vllm_config, extra: dict, kv_cache_config=None):
@@ -73,7 +93,7 @@ class PdBridgeConnectorWorker:
         weights_dir = setting(extra, "weights", "PD_BRIDGE_VLLM_WEIGHTS")
         port = setting(extra, "port", "PD_BRIDGE_VLLM_PORT")
         token = setting(extra, "token", "PD_BRIDGE_VLLM_TOKEN")
-        address = setting(extra, "address", "PD_BRIDGE_VLLM_ADDRESS", "0.0.0.0")
+        address = setting(extra, "address", "PD_BRIDGE_VLLM_ADDRESS") or _default_address()
         missing = [n for n, v in (("weights", weights_dir), ("port", port), ("token", token)) if v is None]
         if missing:
             raise ValueError(
@@ -82,12 +102,18 @@ class PdBridgeConnectorWorker:
             )
         self._weights = Weights.load(str(weights_dir))
         tok = token.encode() if isinstance(token, str) else bytes(token)
-        self._server = SegmentServer(f"{address}:{int(port)}", tok)
+        self._server = SegmentServer(
+            f"[{address}]:{int(port)}" if ":" in address else f"{address}:{int(port)}",
+            tok,
+            max_connections=int(setting(extra, "max_connections", "PD_BRIDGE_VLLM_MAX_CONNECTIONS", 64)),
+            grace_seconds=float(setting(extra, "capture_grace_s", "PD_BRIDGE_VLLM_CAPTURE_GRACE_S", 30.0)),
+            memory_bytes=int(float(setting(extra, "capture_memory_mb", "PD_BRIDGE_VLLM_CAPTURE_MEMORY_MB", 1024)) * (1 << 20)),
+        )
         self._tap_ok = tap.installed() or tap.v4_installed()
         tap.set_sink(self)
         logger.info(
-            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s:%d; model tap %s",
-            weights_dir, self._weights.fingerprint, self._weights.num_layers, address, self._server.port,
+            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v2); model tap %s",
+            weights_dir, self._weights.fingerprint, self._weights.num_layers, self._server.address,
             "installed" if self._tap_ok else "NOT installed (set PD_BRIDGE_VLLM=1)",
         )
 
@@ -110,6 +136,13 @@ class PdBridgeConnectorWorker:
             wc = self._get_capture(ch.req_id, ch.spec, ch.prompt_tokens)
             if wc.sealed is None and wc.failure is None and ch.start > min(wc.fed.values(), default=0):
                 wc.failure = f"tokens before position {ch.start} were not computed by this engine (prefix cache hit?)"
+            if wc.sealed is None and wc.failure is None and wc.capture is not None:
+                # Nobody will read this capture any more (its reader left, it was never pulled,
+                # the memory bound dropped it): stop computing it; it seals aborted with why.
+                closed = wc.capture.stream_closed
+                if closed is not None:
+                    wc.failure = f"segment stream closed: {closed}"
+                    logger.warning("pd-bridge: request %s: %s; the capture stops", ch.req_id, wc.failure)
 
     def clear(self) -> None:
         self._meta = None
@@ -122,7 +155,7 @@ class PdBridgeConnectorWorker:
         try:
             if spec.fingerprint is not None and spec.fingerprint != self._weights.fingerprint:
                 failure = f"weights fingerprint mismatch: request wants {spec.fingerprint}, this host has {self._weights.fingerprint}"
-            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format)
+            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format, spec.secret, spec.prompt_digest)
         except Exception as e:  # a bad block size, say: the request still runs
             failure = f"capture could not start: {e}"
             logger.error("pd-bridge: request %s: %s", req_id, failure)
