@@ -238,6 +238,25 @@ def test_a_misshapen_block_on_the_prompts_name_is_refused_and_moved_aside(run, t
     assert answer["choices"][0]["text"] == r.answer
 
 
+def test_a_misshapen_block_is_refused_at_start(run, tmp_path):
+    """Dropped into the cache while oMLX is stopped: its start-up scan checks the block against
+    the plan of the model it names, refuses it, and the prompt is answered natively."""
+    r, cache = run, tmp_path / "cache"
+    b = r.block_size
+    w = writer(r, cache, plan=False)
+    arrays = [np.ascontiguousarray(a[:b, : a.shape[1] // 2]) for layer in range(len(r.latent)) for a in (r.latent[layer], r.k_pe[layer])]
+    w.write_segment(segment(r, 0, arrays=arrays))
+    w.flush()
+    bad = block_names(r, cache)[0]
+    with omlx_server.serve(r.root, cache, tmp_path / "home", model=MODEL, extra_env=BRIDGE_ENV) as s:
+        answer = omlx_server.complete(s.base_url, s.model, r.text, 8)
+        log = s.log_path.read_text(errors="replace")
+    line = next((l for l in log.splitlines() if bad.name in l and "not serving block" in l), None)
+    assert line and "this model's block has BF16" in line, [l for l in log.splitlines() if "pd-bridge" in l][:20]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert answer["choices"][0]["text"] == r.answer
+
+
 def test_links_fifos_and_garbage_on_block_names(run, tmp_path):
     r, cache = run, tmp_path / "cache"
     names = block_names(r, cache)

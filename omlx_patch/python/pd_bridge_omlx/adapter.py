@@ -69,7 +69,16 @@ def install_cache_guard() -> None:
 
         def guarded(self, file_path):
             try:
-                inspect_block(str(file_path), omlx_format=fmt)
+                _, _, _, model_name, _ = inspect_block(str(file_path), omlx_format=fmt)
+                # Then every tensor's dtype and shape against the plan of the model the block
+                # names (oMLX's own check then keeps out a block of a model it did not load).
+                model_dir = model_dir_for(model_name)
+                if model_dir is not None:
+                    try:
+                        inspect_block(str(file_path), omlx_format=fmt, model_dir=model_dir)
+                    except (ConfigError, OSError) as e:  # a model the core has no plan for
+                        logger.info("pd-bridge: blocks of %s are checked without tensor shapes: %s", model_name, e)
+                        _model_dirs[model_name] = None
             except BlockRejected as e:
                 logger.warning("pd-bridge: not serving block %s", e)
                 return None
@@ -80,6 +89,36 @@ def install_cache_guard() -> None:
         _install_temp_sweep(owner)
         _installed["cache"] = True
         logger.info("pd-bridge: block validation active for oMLX %s", check_version())
+
+
+_model_dirs: dict[str, str | None] = {}
+
+
+def model_dir_for(model_name: str) -> str | None:
+    """The directory of the model a block names, whose config.json gives the plan its tensors
+    are checked against: the name itself where oMLX keys blocks by the model's path (the fork),
+    else ``<--model-dir>/<id>`` of this ``omlx serve`` (upstream keys blocks by the model id).
+    None when neither holds a config.json (then names and framing only)."""
+    if model_name in _model_dirs:
+        return _model_dirs[model_name]
+    import sys
+
+    candidates = [Path(model_name)]
+    argv = sys.argv
+    for i, a in enumerate(argv):
+        root = argv[i + 1] if a == "--model-dir" and i + 1 < len(argv) else (a.split("=", 1)[1] if a.startswith("--model-dir=") else None)
+        if root:
+            candidates.append(Path(root).expanduser().resolve() / model_name)
+    found = None
+    for c in candidates:
+        try:
+            if c.is_absolute() and (c / "config.json").is_file():
+                found = str(c)
+                break
+        except (OSError, ValueError):
+            continue
+    _model_dirs[model_name] = found
+    return found
 
 
 def _sweep_temps(cache_dir) -> None:
