@@ -204,8 +204,9 @@ impl Capture {
     /// tensors (queued on a side stream after the producer's stream; the call never waits for the
     /// device, and segments appear in [`Self::take_ready`] once the chunk's CUDA event completed).
     /// A capture is fed from one side only. Without the GPU backend (no `cuda` feature, a block
-    /// size that is not a multiple of every compress ratio, or `PD_BRIDGE_GPU=0`) CUDA rows are
-    /// copied to the host and pooled on the CPU.
+    /// size that is not a multiple of every compress ratio, upstream's format unless
+    /// `PD_BRIDGE_GPU_UPSTREAM=1`, or `PD_BRIDGE_GPU=0`) CUDA rows are copied to the host and
+    /// pooled on the CPU.
     pub fn feed_input(&mut self, layer: usize, start: usize, input: Input<'_>) -> Result<()> {
         match input {
             Input::Host(x) => {
@@ -231,8 +232,8 @@ impl Capture {
         }
         if self.gpu.is_none() && !self.gpu_fallback {
             let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(0));
-            // The GPU kernels implement the fork's per-call overlap restart only.
-            let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0") || self.format != OmlxFormat::Fork070;
+            // GpuCapture::new decides which formats and block sizes the GPU handles.
+            let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0");
             if fed || off {
                 self.gpu_fallback = true;
             } else {

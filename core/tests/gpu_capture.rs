@@ -15,7 +15,7 @@ use std::sync::Arc;
 use half::bf16;
 use pd_bridge_core::capture::{Capture, Input};
 use pd_bridge_core::segment::Segment;
-use pd_bridge_core::DecoderWeights;
+use pd_bridge_core::{DecoderWeights, OmlxFormat};
 
 #[cfg(feature = "cuda")]
 use pd_bridge_core::cuda::{self, synthetic, DeviceBuffer, DeviceTensor};
@@ -34,10 +34,10 @@ fn chunks_of(tokens: usize, sizes: &[usize]) -> Vec<(usize, usize)> {
 }
 
 /// Feed every chunk to every layer (chunk-major, as a prefill engine runs), collecting segments.
-fn run_host(w: &Arc<DecoderWeights>, block: usize, x: &[Vec<bf16>], chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
+fn run_host(format: OmlxFormat, w: &Arc<DecoderWeights>, block: usize, x: &[Vec<bf16>], chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
     let hidden = w.plan.hidden_size();
     let tokens = x[0].len() / hidden;
-    let mut c = Capture::new(w.clone(), "r", tokens, block).unwrap();
+    let mut c = Capture::with_format(format, w.clone(), "r", tokens, block).unwrap();
     let mut segs = vec![];
     for &(t, n) in chunks {
         for (l, xl) in x.iter().enumerate() {
@@ -51,9 +51,9 @@ fn run_host(w: &Arc<DecoderWeights>, block: usize, x: &[Vec<bf16>], chunks: &[(u
 }
 
 #[cfg(feature = "cuda")]
-fn run_device(w: &Arc<DecoderWeights>, block: usize, x: &[DeviceBuffer], tokens: usize, chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
+fn run_device(format: OmlxFormat, w: &Arc<DecoderWeights>, block: usize, x: &[DeviceBuffer], tokens: usize, chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
     let hidden = w.plan.hidden_size();
-    let mut c = Capture::new(w.clone(), "r", tokens, block).unwrap();
+    let mut c = Capture::with_format(format, w.clone(), "r", tokens, block).unwrap();
     let mut segs = vec![];
     for &(t, n) in chunks {
         for (l, xl) in x.iter().enumerate() {
@@ -70,17 +70,31 @@ fn run_device(w: &Arc<DecoderWeights>, block: usize, x: &[DeviceBuffer], tokens:
 
 #[cfg(feature = "cuda")]
 fn check(name: &str, w: Arc<DecoderWeights>, tokens: usize, block: usize, sizes: &[&[usize]]) {
+    check_format(OmlxFormat::Fork070, name, w, tokens, block, sizes)
+}
+
+/// Upstream oMLX's format on the GPU (carried overlap, bf16 pooling sums, 128-row windows, the
+/// previous ratio-4 window in every segment), switched on as a capture would be.
+#[cfg(feature = "cuda")]
+fn check_upstream(name: &str, w: Arc<DecoderWeights>, tokens: usize, block: usize, sizes: &[&[usize]]) {
+    std::env::set_var("PD_BRIDGE_GPU_UPSTREAM", "1");
+    check_format(OmlxFormat::Upstream063, name, w, tokens, block, sizes)
+}
+
+#[cfg(feature = "cuda")]
+fn check_format(format: OmlxFormat, name: &str, w: Arc<DecoderWeights>, tokens: usize, block: usize, sizes: &[&[usize]]) {
+    let name = &format!("{name} ({format})");
     std::env::set_var("PD_BRIDGE_GPU_GEMM", "exact");
     let hidden = w.plan.hidden_size();
     let mut rng = common::Rng::new(41);
     let x: Vec<Vec<bf16>> = (0..w.plan.num_layers()).map(|_| common::random_rows(&mut rng, tokens, hidden)).collect();
     let dx: Vec<DeviceBuffer> = x.iter().map(|v| DeviceBuffer::upload(v, 0).unwrap()).collect();
     let t0 = std::time::Instant::now();
-    let (cpu, cpu_seal) = run_host(&w, block, &x, &chunks_of(tokens, &[tokens]));
+    let (cpu, cpu_seal) = run_host(format, &w, block, &x, &chunks_of(tokens, &[tokens]));
     eprintln!("{name}: CPU capture {} segments in {:.1}s", cpu.len(), t0.elapsed().as_secs_f64());
     assert_eq!(cpu.len(), tokens / block);
     for s in sizes {
-        let (gpu, gpu_seal) = run_device(&w, block, &dx, tokens, &chunks_of(tokens, s));
+        let (gpu, gpu_seal) = run_device(format, &w, block, &dx, tokens, &chunks_of(tokens, s));
         assert_eq!(gpu_seal, cpu_seal, "{name} chunks {s:?}: seal");
         assert_eq!(gpu.len(), cpu.len(), "{name} chunks {s:?}: segment count");
         for (a, b) in cpu.iter().zip(&gpu) {
@@ -109,7 +123,8 @@ fn tiny_capture_gpu_equals_cpu() {
             return;
         }
         let v4 = Arc::new(DecoderWeights::load(common::v4_model_dir(3)).unwrap());
-        check("tiny v4", v4, 1100, 256, &[&[1100], &[100, 37, 300], &[256]]);
+        check("tiny v4", v4.clone(), 1100, 256, &[&[1100], &[100, 37, 300], &[256]]);
+        check_upstream("tiny v4", v4, 1100, 256, &[&[1100], &[100, 37, 300], &[256]]);
         let mla = Arc::new(DecoderWeights::load(common::mla_model_dir(4)).unwrap());
         check("tiny mla", mla, 300, 16, &[&[300], &[7, 50, 13]]);
     }
@@ -124,6 +139,7 @@ fn flash_sized_capture_gpu_equals_cpu() {
             return;
         }
         let w = synthetic::v4_weights(synthetic::flash_plan(), 5);
-        check("flash", w, 1100, 512, &[&[1100], &[300, 500]]);
+        check("flash", w.clone(), 1100, 512, &[&[1100], &[300, 500]]);
+        check_upstream("flash", w, 2100, 512, &[&[2100], &[300, 500, 1]]);
     }
 }

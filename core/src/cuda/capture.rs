@@ -86,11 +86,13 @@ impl Drop for GpuCapture {
 
 impl GpuCapture {
     /// `None` when this capture is not handled on the GPU (the caller falls back to the CPU path):
-    /// the kernels implement the fork's per-call overlap restart, and blocks must end on pool
-    /// window boundaries (`block_size` a multiple of every compress ratio: no remainder rows).
+    /// blocks must end on pool window boundaries (`block_size` a multiple of every compress
+    /// ratio: no remainder rows); upstream's format (carried overlap, bf16 pooling sums, previous
+    /// windows in the segments) only with `PD_BRIDGE_GPU_UPSTREAM=1` until it is measured on a GPU.
     pub fn new(weights: Arc<DecoderWeights>, device: usize, format: OmlxFormat, plan: SegmentPlan, blocks: usize) -> Result<Option<Self>> {
         let bs = plan.block_size();
-        if format.overlap() != Overlap::RestartPerCall || (0..plan.num_layers()).any(|l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0) {
+        let upstream = std::env::var("PD_BRIDGE_GPU_UPSTREAM").is_ok_and(|v| v == "1");
+        if (format.overlap() == Overlap::Carried && !upstream) || (0..plan.num_layers()).any(|l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0) {
             return Ok(None);
         }
         let steps = DecoderSteps::for_format(format, bs)?;
@@ -171,7 +173,30 @@ impl GpuCapture {
                 // SAFETY: the destination lies inside the leased body (the plan sized it); it is
                 // read only after the completion event recorded after this copy.
                 let dst = unsafe { b.body.ptr().add(c.dst * 2) };
-                ck("copying results to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, c.src, c.values * 2, cs) })?;
+                if c.src_stride == c.width {
+                    ck("copying results to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, c.src, c.values() * 2, cs) })?;
+                } else {
+                    // Columns of wider rows (a previous window's kv or gate half).
+                    let m = sys::CUDA_MEMCPY2D {
+                        srcXInBytes: 0,
+                        srcY: 0,
+                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
+                        srcDevice: c.src,
+                        srcArray: std::ptr::null_mut(),
+                        srcPitch: c.src_stride * 2,
+                        dstXInBytes: 0,
+                        dstY: 0,
+                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                        dstHost: dst as *mut c_void,
+                        dstDevice: 0,
+                        dstArray: std::ptr::null_mut(),
+                        dstPitch: c.width * 2,
+                        WidthInBytes: c.width * 2,
+                        Height: c.rows,
+                    };
+                    ck("copying results to the host", unsafe { sys::cuMemcpy2DAsync_v2(&m, cs) })?;
+                }
             }
         }
         self.copied[layer].record(cs)?;
@@ -238,38 +263,55 @@ fn blocks_of_feed(plan: &SegmentPlan, blocks: usize, layer: usize, start: usize,
     (start / plan.block_size()..blocks).take_while(move |&k| plan.first_token(k, layer) < end)
 }
 
-/// One device-to-host copy into a block's body: `values` bf16 values from device address `src`
-/// to offset `dst` (in values).
+/// One device-to-host copy into a block's body: `rows` rows of `width` bf16 values from device
+/// address `src` (rows `src_stride` values apart) to offset `dst` (in values), packed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct RowCopy {
     src: u64,
+    src_stride: usize,
     dst: usize,
-    values: usize,
+    rows: usize,
+    width: usize,
+}
+
+impl RowCopy {
+    fn values(&self) -> usize {
+        self.rows * self.width
+    }
 }
 
 /// The copies that put the rows of `layer`'s last outputs (`outs`, see
 /// [`GpuCache::chunk_outputs`]) that block `b` holds into its body.
 fn row_copies(b: &BlockPlan, layer: usize, outs: &[DevRows]) -> Result<Vec<RowCopy>> {
+    let arrays = &b.layers[layer].arrays;
+    let pools = arrays.iter().filter(|a| matches!(a.source, ArraySource::Pooled { .. })).count();
     let mut v = vec![];
-    for a in &b.layers[layer].arrays {
+    for a in arrays {
         if a.shape.rows == 0 {
             continue;
         }
-        // The output holding this array's rows, and the rows wanted in its numbering (tokens, or
-        // pool rows).
-        let (out, r0, r1) = match a.source {
-            ArraySource::Window { t0, t1 } | ArraySource::Latent { t0, t1 } => (outs.first(), t0, t1),
-            ArraySource::RopeKey { t0, t1 } => (outs.get(1), t0, t1),
-            ArraySource::Pooled { pool, r0, r1 } => (outs.get(1 + pool), r0, r1),
-            ArraySource::Remainder { .. } | ArraySource::Prev { .. } => (None, 0, 0),
+        let width = a.shape.width as usize;
+        // The output holding this array's rows, the rows wanted in its numbering (tokens, pool
+        // rows, or boundary · ratio for previous windows) and the first column.
+        let (out, r0, r1, col) = match a.source {
+            ArraySource::Window { t0, t1 } | ArraySource::Latent { t0, t1 } => (outs.first(), t0, t1, 0),
+            ArraySource::RopeKey { t0, t1 } => (outs.get(1), t0, t1, 0),
+            ArraySource::Pooled { pool, r0, r1 } => (outs.get(1 + pool), r0, r1, 0),
+            // The window that ended at this block's end: raw kv | gate rows.
+            ArraySource::Prev { pool, gate } => {
+                let r = a.shape.rows as usize;
+                let k = b.end / (b.end - b.start);
+                (outs.get(1 + pools + pool).filter(|o| o.width == 2 * width), k * r, (k + 1) * r, if gate { width } else { 0 })
+            }
+            ArraySource::Remainder { .. } => (None, 0, 0, 0),
         };
-        let Some(out) = out.filter(|o| o.width == a.shape.width as usize) else {
-            return Err(CoreError::config("cuda", format!("layer {layer}: the GPU produces no {:?} rows of width {}", a.source, a.shape.width)));
+        let Some(out) = out.filter(|o| o.width == width || matches!(a.source, ArraySource::Prev { .. })) else {
+            return Err(CoreError::config("cuda", format!("layer {layer}: the GPU produces no {:?} rows of width {width}", a.source)));
         };
         let (lo, hi) = (r0.max(out.first), r1.min(out.first + out.rows));
         if lo < hi {
             let w = out.width;
-            v.push(RowCopy { src: out.ptr + ((lo - out.first) * w * 2) as u64, dst: a.offset + (lo - r0) * w, values: (hi - lo) * w });
+            v.push(RowCopy { src: out.ptr + (((lo - out.first) * w + col) * 2) as u64, src_stride: w, dst: a.offset + (lo - r0) * width, rows: hi - lo, width });
         }
     }
     Ok(v)
@@ -300,7 +342,14 @@ mod tests {
     }
 
     fn check(plan: &ModelPlan, bs: usize, tokens: usize, chunks: &[usize]) {
-        let sp = SegmentPlan::new(OmlxFormat::Fork070, plan, bs, "r", "fp");
+        for format in OmlxFormat::ALL {
+            check_format(format, plan, bs, tokens, chunks);
+        }
+    }
+
+    fn check_format(format: OmlxFormat, plan: &ModelPlan, bs: usize, tokens: usize, chunks: &[usize]) {
+        let sp = SegmentPlan::new(format, plan, bs, "r", "fp");
+        let carried = format.overlap() == Overlap::Carried;
         let blocks = tokens / bs;
         let limit = blocks * bs;
         let mut bodies: BTreeMap<usize, Vec<bf16>> = BTreeMap::new();
@@ -315,11 +364,23 @@ mod tests {
                 let widths: Vec<(usize, usize, usize)> = match plan {
                     ModelPlan::DeepseekV4(p) => {
                         let mut v = vec![(start, end - start, p.head_dim)];
+                        let mut pools = vec![];
                         if ratio != 0 {
-                            v.push((start / ratio, end / ratio - start / ratio, p.head_dim));
+                            pools.push(p.head_dim);
                         }
                         if ratio == 4 {
-                            v.push((start / ratio, end / ratio - start / ratio, p.index_head_dim));
+                            pools.push(p.index_head_dim);
+                        }
+                        for &hd in &pools {
+                            v.push((start / ratio, end / ratio - start / ratio, hd));
+                        }
+                        // Previous windows at the block boundaries in (start, end]: GpuCache
+                        // keeps them with the carried overlap only.
+                        let (k0, k1) = (start / bs + 1, end / bs);
+                        for &hd in &pools {
+                            let n = if carried && ratio == 4 { (k1 + 1).saturating_sub(k0) } else { 0 };
+                            let od = if ratio == 4 { 2 * hd } else { hd };
+                            v.push((k0 * ratio, n * ratio, 2 * od));
                         }
                         v
                     }
@@ -332,9 +393,11 @@ mod tests {
                     assert_eq!(sp.first_token(k, layer), bp.first_token(layer, ratio));
                     let body = bodies.entry(k).or_insert_with(|| vec![bf16::from_bits(0xffff); bp.values]);
                     for c in row_copies(&bp, layer, &outs).unwrap() {
-                        // SAFETY: `src` points into one of `host`'s rows (row_copies clips to them).
-                        let src = unsafe { std::slice::from_raw_parts(c.src as *const bf16, c.values) };
-                        body[c.dst..c.dst + c.values].copy_from_slice(src);
+                        for r in 0..c.rows {
+                            // SAFETY: `src` points into one of `host`'s rows (row_copies clips to them).
+                            let src = unsafe { std::slice::from_raw_parts((c.src as *const bf16).add(r * c.src_stride), c.width) };
+                            body[c.dst + r * c.width..c.dst + (r + 1) * c.width].copy_from_slice(src);
+                        }
                     }
                 }
             }
@@ -345,18 +408,20 @@ mod tests {
             let bp = sp.block(*k);
             for (layer, l) in bp.layers.iter().enumerate() {
                 for a in &l.arrays {
-                    let (o, r0) = match a.source {
-                        ArraySource::Window { t0, .. } | ArraySource::Latent { t0, .. } => (0, t0),
-                        ArraySource::RopeKey { t0, .. } => (1, t0),
-                        ArraySource::Pooled { pool, r0, .. } => (1 + pool, r0),
+                    let pools = l.arrays.iter().filter(|a| matches!(a.source, ArraySource::Pooled { .. })).count();
+                    let w = a.shape.width as usize;
+                    let (o, r0, col) = match a.source {
+                        ArraySource::Window { t0, .. } | ArraySource::Latent { t0, .. } => (0, t0, 0),
+                        ArraySource::RopeKey { t0, .. } => (1, t0, 0),
+                        ArraySource::Pooled { pool, r0, .. } => (1 + pool, r0, 0),
+                        ArraySource::Prev { pool, gate } if a.shape.rows > 0 => (1 + pools + pool, (k + 1) * a.shape.rows as usize, if gate { w } else { 0 }),
                         _ => {
                             assert_eq!(a.shape.rows, 0, "block {k} layer {layer}: {:?}", a.source);
                             continue;
                         }
                     };
-                    let w = a.shape.width as usize;
                     for e in 0..a.values() {
-                        assert_eq!(body[a.offset + e], mark(layer, o, r0 + e / w, e % w), "block {k} layer {layer} {:?} value {e}, chunks {chunks:?}", a.source);
+                        assert_eq!(body[a.offset + e], mark(layer, o, r0 + e / w, col + e % w), "{format} block {k} layer {layer} {:?} value {e}, chunks {chunks:?}", a.source);
                     }
                 }
             }

@@ -12,7 +12,7 @@ use super::{DeviceTensor, GemmMode};
 use crate::error::{CoreError, Result};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
-use crate::pooler::{DecoderSteps, PoolSum, StateArray};
+use crate::pooler::{DecoderSteps, Overlap, PoolSum, StateArray};
 use crate::weights::{CompressorWeights, DecoderWeights, LayerWeights, Linear};
 
 const BF: usize = 2;
@@ -275,6 +275,12 @@ struct CompRun {
     pooled_rows: usize,
     /// Pool rows already handed out by `drain_pools` and dropped.
     drained: usize,
+    /// Streaming with the overlap carried across calls (upstream): the raw (kv | gate) rows of
+    /// the last ratio-4 window before each decoder-step boundary of the last chunk, `ratio` rows
+    /// per boundary, from the boundary `prev_first` (a step index) on.
+    prev: DevBuf,
+    prev_first: usize,
+    prev_count: usize,
 }
 
 struct LayerRun {
@@ -388,6 +394,9 @@ impl GpuCache {
                             pooled: DevBuf::empty(s),
                             pooled_rows: 0,
                             drained: 0,
+                            prev: DevBuf::empty(s),
+                            prev_first: 0,
+                            prev_count: 0,
                         })
                         .collect(),
                     LayerDev::Mla { .. } => vec![],
@@ -734,6 +743,35 @@ impl GpuCache {
                         cr.pooled_rows = 0;
                     }
                     let ycol = c.col as i32;
+                    // The fork restarts the ratio-4 overlap at every decoder call; upstream carries
+                    // it (the kernel sees one call spanning everything).
+                    let call_step = if self.steps.overlap == Overlap::Carried { i32::MAX } else { self.steps.step as i32 };
+                    if overlap && self.window_rows == WindowRows::All && self.steps.overlap == Overlap::Carried {
+                        // Each step boundary in (start, end] ends a block: keep its previous
+                        // window's raw rows (the segment carries them), before the stash moves on.
+                        let step = self.steps.step;
+                        let (k0, k1) = (start / step + 1, end / step);
+                        let cr = &mut self.layers[layer].comps[ci];
+                        cr.prev_first = k0;
+                        cr.prev_count = (k1 + 1).saturating_sub(k0);
+                        if cr.prev_count > 0 {
+                            cr.prev.reserve(cr.prev_count * r * sw * BF)?;
+                            for (i, k) in (k0..=k1).enumerate() {
+                                let mut a = Args::new()
+                                    .p(y)
+                                    .p(ntot as i64)
+                                    .p(ycol)
+                                    .p(start as i64)
+                                    .p(stash)
+                                    .p(seq0)
+                                    .p(sw as i32)
+                                    .p((k * step - r) as i64)
+                                    .p(r as i32)
+                                    .p(cr.prev.ptr + (i * r * sw * BF) as u64);
+                                model.dev.launch("gather_rows", (r as u32, 1, 1), 256, s, &mut a.ptrs())?;
+                            }
+                        }
+                    }
                     if windows > 0 {
                         self.ptmp[pi].reserve(windows * c.hd * BF)?;
                         let out = self.ptmp[pi].ptr;
@@ -750,7 +788,7 @@ impl GpuCache {
                                 .p(windows as i32)
                                 .p(c.hd as i32)
                                 .p(c.ape.ptr)
-                                .p(self.steps.step as i32)
+                                .p(call_step)
                                 .p(bf16_sum as i32)
                                 .p(out);
                             model
@@ -912,7 +950,8 @@ impl GpuCache {
     }
 
     /// What the last feed of `layer` produced, in streaming mode ([`WindowRows::All`]): V4
-    /// `[the chunk's window rows, then each pool's new rows]`, MLA `[latent rows, k_pe rows]`.
+    /// `[the chunk's window rows, each pool's new rows, each pool's previous windows at the step
+    /// boundaries]`, MLA `[latent rows, k_pe rows]`.
     /// Valid on the layer's post stream until its next feed.
     pub(crate) fn chunk_outputs(&self, layer: usize) -> Vec<DevRows> {
         let lr = &self.layers[layer];
@@ -922,6 +961,11 @@ impl GpuCache {
                 let mut v = vec![DevRows { ptr: lr.chunk_win.ptr, first: t0, rows, width: *hd }];
                 for (c, cr) in comps.iter().zip(&lr.comps) {
                     v.push(DevRows { ptr: cr.pooled.ptr, first: cr.drained, rows: cr.pooled_rows, width: c.hd });
+                }
+                // Then each pool's previous windows at the step boundaries (rows numbered
+                // `boundary step index · ratio + i`; none unless upstream's carried overlap).
+                for (c, cr) in comps.iter().zip(&lr.comps) {
+                    v.push(DevRows { ptr: cr.prev.ptr, first: cr.prev_first * c.ratio, rows: cr.prev_count * c.ratio, width: 2 * c.od });
                 }
                 v
             }
