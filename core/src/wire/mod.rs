@@ -120,31 +120,26 @@ impl<F: FrameSource> SegmentReader<F> {
     }
 }
 
-/// The bytes of a segment frame's payload, in order, without concatenating its arrays
-/// (`Segment::encode`'s layout: u32 LE header length, header JSON, arrays as LE bf16).
-fn segment_parts(seg: &Segment) -> (Vec<u8>, Vec<&[u8]>) {
+/// A segment frame's payload in two parts, without copying its body (`Segment::encode`'s
+/// layout: u32 LE header length and header JSON, then the arrays as LE bf16, back to back).
+fn segment_prefix(seg: &Segment) -> Vec<u8> {
     let header = serde_json::to_vec(&seg.header).expect("segment header serializes");
     let mut prefix = Vec::with_capacity(4 + header.len());
     prefix.extend_from_slice(&(header.len() as u32).to_le_bytes());
     prefix.extend_from_slice(&header);
-    // SAFETY: bf16 is a plain 2-byte value; on a little-endian host its bytes are the wire's.
-    let arrays = seg.arrays.iter().map(|a| unsafe { std::slice::from_raw_parts(a.as_ptr() as *const u8, a.len() * 2) }).collect();
-    (prefix, arrays)
+    prefix
 }
 
 /// Bytes a segment takes on the wire inside its frame (payload only).
 pub fn segment_payload_len(seg: &Segment) -> u64 {
     let header = serde_json::to_vec(&seg.header).map(|h| h.len()).unwrap_or(0);
-    (4 + header + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64
+    (4 + header + seg.body_bytes().len()) as u64
 }
 
 pub fn send_segment(w: &mut impl FrameSink, seg: &Segment) -> Result<()> {
     if cfg!(target_endian = "little") {
-        let (prefix, arrays) = segment_parts(seg);
-        let mut parts = Vec::with_capacity(1 + arrays.len());
-        parts.push(prefix.as_slice());
-        parts.extend(arrays);
-        w.send_parts(FrameKind::Segment, &parts)
+        // The body as it lies is the wire's bytes: records are encrypted straight from it.
+        w.send_parts(FrameKind::Segment, &[&segment_prefix(seg), seg.body_bytes()])
     } else {
         w.send_frame(FrameKind::Segment, &seg.encode())
     }
