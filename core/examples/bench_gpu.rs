@@ -1,7 +1,7 @@
 //! GPU pooling throughput for DeepSeek-V4-Flash's 43 layers (random weights of the real shapes),
-//! side by side in one run: the capture engine end to end (the kernels, the device-to-host
-//! copies of every row the segments carry into page-locked bodies, the segments framed and
-//! handed out, in block order), the kernels alone (cuBLAS tensor-core GEMMs + the bit-exact
+//! side by side in one run: the capture engine end to end, for the fork's blocks and for
+//! upstream's (the kernels, the device-to-host copies of every row the segments carry into
+//! page-locked bodies, the segments framed and handed out, in block order), the kernels alone (cuBLAS tensor-core GEMMs + the bit-exact
 //! kernels, nothing leaves the device), the same with the bit-exact sequential GEMM, the GEMMs
 //! alone, an eager-torch implementation of the same math (tests/gpu/bench_eager.py, run as a
 //! child process when python3 has torch), and the bf16 GEMM roofline for the same FLOPs
@@ -17,7 +17,7 @@ use pd_bridge_core::cuda::{
     gemm_flops, synthetic, DeviceBuffer, DeviceTensor, GemmMode, GpuCache, GpuModel,
 };
 use pd_bridge_core::capture::{Capture, Input};
-use pd_bridge_core::DecoderSteps;
+use pd_bridge_core::{DecoderSteps, OmlxFormat};
 
 fn env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
@@ -72,10 +72,10 @@ fn run(
 /// `block`-token blocks: seconds, segment payload bytes, and host seconds spent in the calls.
 /// Each segment is framed as a sender frames it (length prefix and header JSON, then the body
 /// as it lies in its page-locked buffer) and dropped, which returns its buffer to the pool.
-fn run_capture(m: &Arc<GpuModel>, x: &DeviceBuffer, tokens: usize, chunk: usize, block: usize) -> (f64, usize, f64) {
+fn run_capture(format: OmlxFormat, m: &Arc<GpuModel>, x: &DeviceBuffer, tokens: usize, chunk: usize, block: usize) -> Result<(f64, usize, f64), String> {
     let hidden = m.hidden_size();
-    let pass = |tokens: usize| {
-        let mut c = Capture::new(m.weights.clone(), "bench", tokens, block).unwrap();
+    let pass = |tokens: usize| -> Result<(f64, usize, f64), String> {
+        let mut c = Capture::with_format(format, m.weights.clone(), "bench", tokens, block).map_err(|e| e.to_string())?;
         let mut segments = 0;
         let mut bytes = 0;
         let mut frame = |segs: Vec<pd_bridge_core::segment::Segment>| {
@@ -93,21 +93,23 @@ fn run_capture(m: &Arc<GpuModel>, x: &DeviceBuffer, tokens: usize, chunk: usize,
             let h = Instant::now();
             for l in 0..m.num_layers() {
                 let dt = DeviceTensor { ptr: x.ptr(), nbytes: n * hidden * 2, device: 0, stream: 0 };
-                c.feed_input(l, start, Input::Cuda(dt)).unwrap();
+                c.feed_input(l, start, Input::Cuda(dt)).map_err(|e| e.to_string())?;
             }
             let ready = c.take_ready();
             host += h.elapsed().as_secs_f64();
             frame(ready);
             start += n;
         }
-        c.seal(None);
+        let seal = c.seal(None);
         frame(c.take_ready());
         let secs = t.elapsed().as_secs_f64();
-        assert_eq!(segments, tokens / block);
-        (secs, bytes, host)
+        if segments != tokens / block || c.side_stream().is_none() {
+            return Err(format!("{segments} segments of {}, sealed {seal:?}, GPU backend used: {}", tokens / block, c.side_stream().is_some()));
+        }
+        Ok((secs, bytes, host))
     };
     // Warm-up: the kernels, cuBLAS, and the page-locked bodies the pool then reuses.
-    pass((3 * chunk).max(8 * block).min(tokens));
+    pass((3 * chunk).max(8 * block).min(tokens))?;
     pass(tokens)
 }
 
@@ -214,8 +216,10 @@ fn main() {
         }
     }
     println!();
-    println!("| chunk | end to end (capture + D2H + segments) | % roofline | kernels only | % roofline | GEMMs alone | kernels, exact GEMM | eager torch | roofline |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    // Upstream oMLX's format on the GPU is opt-in in the capture; the benchmark measures it too.
+    std::env::set_var("PD_BRIDGE_GPU_UPSTREAM", "1");
+    println!("| chunk | end to end, fork blocks (capture + D2H + segments) | % roofline | end to end, upstream blocks | % roofline | kernels only | % roofline | GEMMs alone | kernels, exact GEMM | eager torch | roofline |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut notes = vec![];
     for (i, &c) in chunks.iter().enumerate() {
         let fast = tokens as f64 / run(&m, &x, tokens, c, step, GemmMode::TensorCore, false);
@@ -223,23 +227,35 @@ fn main() {
         let exact_tokens = tokens.min(16384);
         let exact =
             exact_tokens as f64 / run(&m, &x, exact_tokens, c, step, GemmMode::Exact, false);
-        let (secs, bytes, host) = run_capture(&m, &x, tokens, c, step);
-        let cap = tokens as f64 / secs;
+        let mut cells = vec![];
+        for format in [OmlxFormat::Fork070, OmlxFormat::Upstream063] {
+            match run_capture(format, &m, &x, tokens, c, step) {
+                Ok((secs, bytes, host)) => {
+                    let cap = tokens as f64 / secs;
+                    cells.push(format!("{cap:.0} tok/s | {:.1}%", 100.0 * cap / roof));
+                    notes.push(format!(
+                        "chunk {c}, {format}: segments {:.1} KB/token ({:.2} GB in {} segments of {step} tokens), device-to-host {:.1} GB/s; host time in feed/take_ready {:.0} ms of {:.0} ms",
+                        bytes as f64 / tokens as f64 / 1e3,
+                        bytes as f64 / 1e9,
+                        tokens / step,
+                        bytes as f64 / secs / 1e9,
+                        host * 1e3,
+                        secs * 1e3
+                    ));
+                }
+                Err(e) => {
+                    cells.push("failed | -".to_string());
+                    notes.push(format!("chunk {c}, {format}: the capture failed: {e}"));
+                }
+            }
+        }
         let eg = eager[i].map_or("n/a".to_string(), |v| format!("{v:.0} tok/s"));
         println!(
-            "| {c} | {cap:.0} tok/s | {:.1}% | {fast:.0} tok/s | {:.1}% | {gemm:.0} tok/s | {exact:.0} tok/s | {eg} | {roof:.0} tok/s |",
-            100.0 * cap / roof,
+            "| {c} | {} | {} | {fast:.0} tok/s | {:.1}% | {gemm:.0} tok/s | {exact:.0} tok/s | {eg} | {roof:.0} tok/s |",
+            cells[0],
+            cells[1],
             100.0 * fast / roof
         );
-        notes.push(format!(
-            "chunk {c}: segments {:.1} KB/token ({:.2} GB in {} segments of {step} tokens), device-to-host {:.1} GB/s; host time in feed/take_ready {:.0} ms of {:.0} ms",
-            bytes as f64 / tokens as f64 / 1e3,
-            bytes as f64 / 1e9,
-            tokens / step,
-            bytes as f64 / secs / 1e9,
-            host * 1e3,
-            secs * 1e3
-        ));
     }
     for n in notes {
         println!("{n}");
