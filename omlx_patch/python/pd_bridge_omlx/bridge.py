@@ -20,6 +20,7 @@ at once and served natively.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import json
 import logging
@@ -34,7 +35,7 @@ import httpx
 
 from . import config as config_mod
 from . import versions
-from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, capture_secret, ingest
+from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, capture_secret, carry_state, ingest
 from .adapter import index_lock, register_block
 from .verdict import Verdict, native
 
@@ -42,6 +43,8 @@ logger = logging.getLogger("pd_bridge_omlx")
 
 # After vLLM answers (or fails), how long the stream may take to deliver what remains.
 _GRACE_AFTER_HTTP_FAILURE_S = 2.0
+# After a complete seal, how long the verdict waits for vLLM's answer (what it took from its cache).
+_WAIT_FOR_PREFILL_ANSWER_S = 0.25
 # Threads that tokenize prompts and walk oMLX's prefix index (pure CPU, never the network).
 _DECIDE_THREADS = 8
 
@@ -208,6 +211,7 @@ class Bridge:
         self._io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_bridges + 1, thread_name_prefix="pd-bridge-io")
         self._slots = _Slots(max_bridges)
         self._fingerprints: dict[str, str | Exception] = {}
+        self._weights: dict[str, Weights] = {}  # loaded with the fingerprint: carry states need them
         self._fingerprint_loads: dict[str, concurrent.futures.Future] = {}
         self._fingerprint_lock = threading.Lock()
 
@@ -276,7 +280,9 @@ class Bridge:
         got = self._fingerprints.get(weights_dir)
         if got is None:
             try:
-                got = Weights.load(weights_dir).fingerprint
+                w = Weights.load(weights_dir)
+                self._weights[weights_dir] = w
+                got = w.fingerprint
             except Exception as e:
                 got = e
             self._fingerprints[weights_dir] = got
@@ -342,11 +348,11 @@ class Bridge:
         if slot is None:
             return Verdict("declined", f"{cfg.max_bridges} bridges already in flight (PD_BRIDGE_MAX_BRIDGES={cfg.max_bridges})", request_id=request_id), 0, ids
         try:
-            return await self._admitted(engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0)
+            return await self._admitted(engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached)
         finally:
             slot.done()
 
-    async def _admitted(self, engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0) -> tuple[Verdict, int, list[int] | None]:
+    async def _admitted(self, engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached: int = 0) -> tuple[Verdict, int, list[int] | None]:
         cfg = self.cfg
         # The directory oMLX loaded the model from: the engine's model_name on every supported
         # oMLX (upstream's scheduler holds the model id instead).
@@ -361,17 +367,49 @@ class Bridge:
         except PrefillUnavailable as e:
             return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0, ids
         t_decided = time.perf_counter()
-        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir)
+        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir, held=cached)
         verdict.phases["decide"] = t_decided - t0
         return verdict, nbytes, ids
 
-    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot, model_dir: str | None = None) -> tuple[Verdict, int]:
+    def _carry(self, writer: BlockWriter, cache_dir: Path, model_dir: str | None, held: int, block_size: int) -> tuple[bytes, int]:
+        """The decoder's carry state (the source of truth for the resumed capture) at the end of
+        the last of its ``held`` leading blocks that has a file, and how many blocks that is; read
+        from that block's file. Raises naming what does not fit."""
+        weights = self._weights.get(model_dir or "")
+        if weights is None:
+            raise PdBridgeError(f"decoder weights in {model_dir} are not loaded")
+        for k in range(held, 0, -1):
+            h = writer.hash_hex(k - 1)
+            path = cache_dir / h[0] / f"{h}.safetensors"
+            # oMLX may hold its latest blocks in memory only (not yet on its SSD cache): resume
+            # at the last one that is on disk.
+            if path.exists():
+                return carry_state(weights, str(path), block_size, k * block_size, self.version.omlx_format), k
+        raise PdBridgeError(f"none of the {held} held blocks has a file in the SSD cache")
+
+    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot, model_dir: str | None = None, held: int = 0) -> tuple[Verdict, int]:
         cfg = self.cfg
         capture_id = f"pdb-{request_id}-{uuid.uuid4().hex[:8]}"
         cache_dir = Path(ssd._cache_dir)
         model_name = pcm.model_name
         # model_dir: every segment is checked against the decoder's plan before it is written.
         writer = BlockWriter(str(cache_dir), model_name, block_size, ids, self.version.omlx_format, model_dir=model_dir)
+        # Multi-turn: oMLX already holds the first `held` blocks; the capture resumes at the end of
+        # the last one, from the carry state read from its file, and only the tail is streamed.
+        # A carry state that cannot be taken (a missing or refused block) means a bridge from 0.
+        first, carry, not_resumed = 0, None, ""
+        if held > 0:
+            try:
+                carry, at = await self._decide(self._carry, writer, cache_dir, model_dir, held, block_size)
+                first = writer.resume(carry)
+                if first != at:
+                    raise PdBridgeError(f"writer resumed at block {first}, the carry state is at block {at}")
+            except Exception as e:
+                not_resumed = f"carry state at token {held * block_size} not taken: {e}"
+                logger.warning("pd-bridge[%s]: %s; bridging from token 0", request_id, not_resumed)
+                carry, first = None, 0
+                writer = BlockWriter(str(cache_dir), model_name, block_size, ids, self.version.omlx_format, model_dir=model_dir)
+        resumed_at = first * block_size
         control = IngestControl()
         registered: list[int] = []
         problems: list[str] = []
@@ -379,8 +417,8 @@ class Bridge:
 
         def on_block(index: int) -> None:
             nonlocal nbytes
-            if control.cancelled or problems or index != len(registered):
-                return  # only an unbroken chain from block 0 is useful
+            if control.cancelled or problems or index != first + len(registered):
+                return  # only an unbroken chain from the first block streamed is useful
             h = writer.hash_hex(index)
             path = cache_dir / h[0] / f"{h}.safetensors"
             try:
@@ -402,7 +440,10 @@ class Bridge:
                           timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids)  # fmt: skip
 
         spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format, "secret": secret}
-        logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id)
+        if carry is not None:
+            spec["resume"] = {"position": resumed_at, "carry": base64.b64encode(carry).decode("ascii")}
+        logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s%s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id,
+                    f", resumed at {resumed_at} ({len(carry)}-byte carry state)" if carry is not None else "")  # fmt: skip
         t_ask = time.perf_counter()
         stream = self._io(slot, pull)
         http = self._io(slot, self.host.prefill, ids, spec, cfg.timeout_s)
@@ -440,8 +481,20 @@ class Bridge:
         after_from = min(t_seal, t_http) if t_http is not None else t_seal
         phases = {"prefill": after_from - t_ask, "after_prefill": max(0.0, t_ready - after_from), "total": t_ready - t_ask}
         blocks = len(registered)
-        if seal is not None and seal.get("verdict") == "complete" and blocks == nblocks and not problems:
-            v = Verdict("complete", blocks=blocks, of_blocks=nblocks, tokens=blocks * block_size, request_id=request_id, phases=phases)
+        new_blocks = nblocks - first
+        vllm_cached = None
+        if not http.done() and seal is not None and seal.get("verdict") == "complete":
+            # vLLM answers right after the step that sealed the capture; its answer says how much
+            # of the prompt it took from its own cache. Waited for briefly, never for long.
+            await asyncio.wait({http}, timeout=_WAIT_FOR_PREFILL_ANSWER_S)
+        if http.done() and not http.cancelled() and http.exception() is None:
+            # What vLLM took from its own prefix cache (the connector reports it at the finish).
+            got = ((http.result() or {}).get("kv_transfer_params") or {}).get("pd_capture") or {}
+            if isinstance(got.get("prompt_cached_tokens"), int):
+                vllm_cached = got["prompt_cached_tokens"]
+        extra = {"resumed_at": resumed_at, "not_resumed": not_resumed, "vllm_cached": vllm_cached}
+        if seal is not None and seal.get("verdict") == "complete" and blocks == new_blocks and not problems:
+            v = Verdict("complete", blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size, request_id=request_id, phases=phases, **extra)
         else:
             if seal is not None and seal.get("verdict") != "complete":
                 why = f"prefill host sealed {seal.get('verdict')}: {seal.get('reason', '')}"
@@ -450,13 +503,13 @@ class Bridge:
             elif stream_error:
                 why = f"segment stream: {stream_error}"
             elif seal is not None:
-                why = f"prefill host sealed complete but only {blocks} of {nblocks} blocks arrived"
+                why = f"prefill host sealed complete but only {blocks} of {new_blocks} blocks arrived"
             else:
                 why = "no seal"
             if http_error and (stream_error or seal is None or seal.get("verdict") != "complete"):
                 why = f"{why}; prefill request: {http_error}"
             kind = "partial" if blocks else "declined"
-            v = Verdict(kind, why, blocks=blocks, of_blocks=nblocks, tokens=blocks * block_size, request_id=request_id, phases=phases)
+            v = Verdict(kind, why, blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size if blocks else 0, request_id=request_id, phases=phases, **extra)
         v.ready_unix = ready_unix
         logger.info("pd-bridge[%s]: %s (prefill %.3fs, after prefill %.3fs, %d bytes)", request_id, v.header(), phases["prefill"], phases["after_prefill"], nbytes)
         return v, nbytes
@@ -479,13 +532,15 @@ class Bridge:
             return verdict
         if cached >= verdict.tokens:
             return verdict
-        per_block = verdict.tokens // max(verdict.blocks, 1)
-        used = cached // per_block if per_block else 0
+        # A resumed bridge's tokens include the prefix held before it (resumed_at).
+        per_block = (verdict.tokens - verdict.resumed_at) // max(verdict.blocks, 1)
+        used = max(0, cached - verdict.resumed_at) // per_block if per_block else 0
         reason = f"oMLX reused {cached} of the {verdict.tokens} bridged tokens"
         if used == 0:
-            return Verdict("declined", reason, of_blocks=verdict.of_blocks, request_id=request_id, phases=verdict.phases)
+            return Verdict("declined", reason, of_blocks=verdict.of_blocks, request_id=verdict.request_id, phases=verdict.phases)
         return Verdict("partial", f"{reason}; {verdict.reason}".rstrip("; "), blocks=used, of_blocks=verdict.of_blocks,
-                       tokens=used * per_block, request_id=request_id, phases=verdict.phases, ready_unix=verdict.ready_unix)  # fmt: skip
+                       tokens=verdict.resumed_at + used * per_block, request_id=verdict.request_id, phases=verdict.phases, ready_unix=verdict.ready_unix,
+                       resumed_at=verdict.resumed_at, not_resumed=verdict.not_resumed, vllm_cached=verdict.vllm_cached)  # fmt: skip
 
 
 _bridge: Bridge | None = None

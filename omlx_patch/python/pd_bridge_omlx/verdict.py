@@ -1,7 +1,11 @@
 """What the bridge did for one request, as the ``X-PD-Bridge`` response header says it.
 
 ``complete; blocks=B; tokens=N`` — every bridgeable block came from the prefill host and oMLX
-took them as a prefix hit. ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
+took them as a prefix hit. A warm prompt resumed at the block boundary ``S`` its held prefix ends
+at says ``complete; blocks=B; tokens=N; resumed_at=S`` (B: the new blocks, N: the whole prefix
+oMLX now holds, S included); a warm prompt whose resume failed and was bridged from token 0 adds
+``not_resumed="..."``; ``vllm_cached=C`` is what vLLM took from its own prefix cache (it computed
+the rest). ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
 reason="..."`` — a bridge was tried and nothing was used. ``native; reason="..."`` — no bridge
 was tried. The kind is the first word, so a client can switch on it.
 
@@ -39,12 +43,26 @@ class Verdict:
     #: Wall-clock time the decode host could continue (blocks registered); benchmarks compare it
     #: with the prefill host's last step on one machine.
     ready_unix: float | None = None
+    #: Multi-turn: the block boundary (tokens) the capture resumed at; 0: captured from token 0.
+    resumed_at: int = 0
+    #: Why a warm prompt was bridged from token 0 instead of resumed (the carry state failed).
+    not_resumed: str = ""
+    #: Prompt tokens vLLM took from its own prefix cache (it computed the rest); None: unknown.
+    vllm_cached: int | None = None
+
+    def _extra(self) -> str:
+        out = f"; resumed_at={self.resumed_at}" if self.resumed_at else ""
+        if self.not_resumed:
+            out += f"; not_resumed={_quote(self.not_resumed)}"
+        if self.vllm_cached is not None:
+            out += f"; vllm_cached={self.vllm_cached}"
+        return out
 
     def header(self) -> str:
         if self.kind == "complete":
-            return f"complete; blocks={self.blocks}; tokens={self.tokens}"
+            return f"complete; blocks={self.blocks}; tokens={self.tokens}{self._extra()}"
         if self.kind == "partial":
-            return f"partial {self.blocks}/{self.of_blocks}; tokens={self.tokens}; reason={_quote(self.reason)}"
+            return f"partial {self.blocks}/{self.of_blocks}; tokens={self.tokens}{self._extra()}; reason={_quote(self.reason)}"
         return f"{self.kind}; reason={_quote(self.reason)}"
 
 
