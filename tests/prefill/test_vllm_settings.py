@@ -1,4 +1,4 @@
-"""Start-time refusal of engine settings that would make captures incomplete, and the pointer
+"""Engine settings checked at start (prefix caching is accepted), and the pointer
 descriptor path into the native capture."""
 
 import json
@@ -13,16 +13,20 @@ import engines  # noqa: E402
 vllm = engines.require("vllm")
 
 
-def test_prefix_caching_is_refused_at_start():
+def test_prefix_caching_is_accepted_and_captured_hits_are_capped():
+    """Issue 13: vLLM's prefix cache may stay on; the cap on a captured request's hit installs on
+    this vLLM's KVCacheManager (tests/e2e/test_multiturn.py shows the capped hit end to end)."""
     from types import SimpleNamespace
 
     from vllm.config import CacheConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from pd_bridge_vllm.connector import UnsupportedEngineSettings, check_engine_settings
+    from pd_bridge_vllm.connector import check_engine_settings, prefix_cap
 
-    with pytest.raises(UnsupportedEngineSettings, match="--no-enable-prefix-caching"):
-        check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=True)))
+    check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=True)))
     check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=False)))
+    assert prefix_cap.install()
+    assert getattr(KVCacheManager.get_computed_blocks, "_pd_bridge_capped", False)
 
 
 def test_feed_ptr_equals_feed_bytes(tmp_path):

@@ -6,6 +6,8 @@ for ``CaptureChunk.slots``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,16 +29,11 @@ class UnsupportedEngineSettings(ValueError):
 def check_engine_settings(vllm_config) -> None:
     """Refuse, at start, settings that would make captures incomplete.
 
-    Prefix caching lets vLLM skip prefilling a prompt's cached prefix, so the tap would never see
-    those tokens' attention input and the decoder's cache could not be built from them.
+    vLLM's prefix cache may stay on (issue 13): a captured request's prefix-cache hit is capped at
+    the block boundary its capture starts from (``prefix_cap.py``), so every row the capture needs
+    is computed; a hit that still reached past it would seal the capture aborted, never complete.
     """
-    cache = getattr(vllm_config, "cache_config", None)
-    if cache is not None and getattr(cache, "enable_prefix_caching", False):
-        raise UnsupportedEngineSettings(
-            "pd-bridge: prefix caching is on, so vLLM may skip prefilling a cached prefix whose "
-            "attention input the decoder's cache needs; start vLLM with --no-enable-prefix-caching "
-            "(enable_prefix_caching=False) to use PdBridgeConnector"
-        )
+    return
 
 
 def setting(extra: dict, key: str, env: str, default=None):
@@ -61,6 +58,11 @@ class CaptureSpec:
     # prompt_digest() of the token ids this engine prefills (set by the scheduler side), bound
     # into the same key: a capture of another prompt never matches the decode host's.
     prompt_digest: str | None = field(default=None, repr=False)
+    # Multi-turn: the block boundary (tokens) the decode host already holds and the capture
+    # resumes at, and the decoder's carry state there (``pd_capture.resume``); 0 / None: from 0.
+    # The scheduler drops the carry bytes from the spec once the worker has had them.
+    resume_at: int = 0
+    resume_carry: bytes | None = field(default=None, repr=False)
 
     @staticmethod
     def parse(params: Any) -> CaptureSpec | None:
@@ -85,7 +87,22 @@ class CaptureSpec:
             raise CaptureSpecError(f"{PARAM_KEY}.secret is missing: the decode host sends a per-request secret (wire version 2; upgrade pd-bridge-omlx)")
         if not isinstance(secret, str) or len(secret) != 64 or any(c not in "0123456789abcdefABCDEF" for c in secret):
             raise CaptureSpecError(f"{PARAM_KEY}.secret must be 64 hex digits")
-        return CaptureSpec(rid, bs, fp, fmt, secret)
+        resume_at, carry = 0, None
+        resume = spec.get("resume")
+        if resume is not None:
+            if not isinstance(resume, dict):
+                raise CaptureSpecError(f"{PARAM_KEY}.resume must be an object, got {type(resume).__name__}")
+            pos, raw = resume.get("position"), resume.get("carry")
+            if isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0 or pos % bs:
+                raise CaptureSpecError(f"{PARAM_KEY}.resume.position must be a positive multiple of block_size {bs}, got {pos!r}")
+            if not isinstance(raw, str) or not raw:
+                raise CaptureSpecError(f"{PARAM_KEY}.resume.carry must be the carry state in base64")
+            try:
+                carry = base64.b64decode(raw, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise CaptureSpecError(f"{PARAM_KEY}.resume.carry is not base64: {e}") from None
+            resume_at = pos
+        return CaptureSpec(rid, bs, fp, fmt, secret, None, resume_at, carry)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import prefix_cap
 from .metadata import PARAM_KEY, CaptureChunk, CaptureSpec, CaptureSpecError, PdBridgeConnectorMetadata, kv_groups
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class _SchedState:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     last_scheduled: bool = False
     scheduled_upto: int = 0
+    # Where vLLM first computed this prompt from (its own prefix-cache hit); None: not yet.
+    first_start: int | None = None
 
 
 class PdBridgeConnectorScheduler:
@@ -56,8 +59,11 @@ class PdBridgeConnectorScheduler:
         # The ids vLLM prefills, bound into the capture's wire key: the decode host's key
         # (over the ids it sent and names its blocks by) matches only if they are the same.
         spec = dataclasses.replace(spec, prompt_digest=prompt_digest(list(ids)))
+        # vLLM's prefix cache may be on: its hit for this request must end at or before where the
+        # capture starts (0, or the block the decode host resumes from), or rows go uncomputed.
+        capped = prefix_cap.apply(request, spec.resume_at)
         self.requests[request.request_id] = _SchedState(spec, request.num_prompt_tokens)
-        logger.debug("pd-bridge: request %s captures %r (%d prompt tokens)", request.request_id, spec, request.num_prompt_tokens)
+        logger.debug("pd-bridge: request %s captures %r (%d prompt tokens; %s)", request.request_id, spec, request.num_prompt_tokens, capped)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False  # a producer never loads external KV
@@ -117,7 +123,13 @@ class PdBridgeConnectorScheduler:
         is_last = start + n >= st.prompt_tokens
         st.last_scheduled = is_last
         st.scheduled_upto = max(st.scheduled_upto, start + n)
+        if st.first_start is None:
+            st.first_start = start
         meta.chunks.append(CaptureChunk(req_id, st.spec, st.prompt_tokens, start, n, tuple(sizes), tuple(groups), is_last))
+        if st.spec.resume_carry is not None:
+            # The worker creates its capture (and resumes it) from the first chunk; later steps'
+            # metadata need not carry the carry state's bytes again.
+            st.spec = dataclasses.replace(st.spec, resume_carry=None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self.requests.pop(request.request_id, None)
@@ -126,4 +138,7 @@ class PdBridgeConnectorScheduler:
         if not st.last_scheduled:
             reason = f"request {request.status.name.lower()} after {st.scheduled_upto} of {st.prompt_tokens} prompt tokens"
             self.pending_aborts[request.request_id] = (st.spec, st.prompt_tokens, reason)
-        return False, {PARAM_KEY: {"request_id": st.spec.request_id, "prompt_scheduled": st.last_scheduled}}
+        # prompt_cached_tokens: what vLLM took from its own prefix cache (it computed the rest);
+        # the decode host puts it in the verdict.
+        return False, {PARAM_KEY: {"request_id": st.spec.request_id, "prompt_scheduled": st.last_scheduled,
+                                   "prompt_cached_tokens": st.first_start, "resumed_at": st.spec.resume_at}}  # fmt: skip

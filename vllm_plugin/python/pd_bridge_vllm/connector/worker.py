@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import tap
-from .._native import Capture, SegmentServer, Weights
+from .._native import Capture, PdBridgeError, SegmentServer, Weights
 from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, kv_groups, setting
 from .stats import PdBridgeKVConnectorStats
 
@@ -134,8 +134,10 @@ class PdBridgeConnectorWorker:
             self._seal(req_id, self._get_capture(req_id, spec, prompt_tokens), reason)
         for ch in self._meta.chunks:
             wc = self._get_capture(ch.req_id, ch.spec, ch.prompt_tokens)
-            if wc.sealed is None and wc.failure is None and ch.start > min(wc.fed.values(), default=0):
-                wc.failure = f"tokens before position {ch.start} were not computed by this engine (prefix cache hit?)"
+            # A resumed capture needs every row from where it resumed; a cold one from 0.
+            resumed_at = int(getattr(wc.capture, "resumed_at", 0) or 0) if wc.capture is not None else 0
+            if wc.sealed is None and wc.failure is None and ch.start > min(wc.fed.values(), default=resumed_at):
+                wc.failure = f"tokens before position {ch.start} were not computed by this engine (vLLM's prefix-cache hit reaches past the capture's start {resumed_at})"
             if wc.sealed is None and wc.failure is None and wc.capture is not None:
                 # Nobody will read this capture any more (its reader left, it was never pulled,
                 # the memory bound dropped it): stop computing it; it seals aborted with why.
@@ -159,6 +161,20 @@ class PdBridgeConnectorWorker:
         except Exception as e:  # a bad block size, say: the request still runs
             failure = f"capture could not start: {e}"
             logger.error("pd-bridge: request %s: %s", req_id, failure)
+        if cap is not None and failure is None and spec.resume_at:
+            # Multi-turn: the decode host holds [0, S) and sent its carry state at S. A capture
+            # from 0 instead would stream blocks the decode host's writer does not expect (and
+            # vLLM's hit is capped at S, not 0), so a refused carry state seals it aborted.
+            try:
+                if spec.resume_carry is None:
+                    raise PdBridgeError(f"no carry state for the resume at {spec.resume_at}")
+                at = cap.resume(spec.resume_carry)
+                if at != spec.resume_at:
+                    raise PdBridgeError(f"carry state is at {at}, pd_capture.resume.position says {spec.resume_at}")
+                logger.info("pd-bridge: request %s: capture %s resumes at token %d", req_id, spec.request_id, at)
+            except PdBridgeError as e:
+                failure = f"carry state refused: {e.args[0] if e.args else e}"
+                logger.error("pd-bridge: request %s: %s", req_id, failure)
         wc = _WorkerCapture(spec, prompt_tokens, cap, failure)
         self._captures[req_id] = wc
         return wc
