@@ -294,12 +294,12 @@ impl Shared {
     /// The unpulled outbox of `hello`'s capture whose key the client used: waits up to `wait`
     /// for the capture to start (a decode host connects as it sends the prefill request);
     /// refuses at once when captures of that id exist and none matches.
-    fn find(&self, hello: &Hello, wait: Duration) -> std::result::Result<(Arc<Outbox>, Matched), &'static str> {
+    fn find(&self, hello: &Hello, wait: Duration) -> std::result::Result<(Arc<Outbox>, Matched), String> {
         let deadline = Instant::now() + wait;
         let mut reg = self.registry();
         loop {
             if self.shutdown.load(Ordering::SeqCst) {
-                return Err("the segment server is stopping");
+                return Err("the segment server is stopping".into());
             }
             if let Some(list) = reg.get(&hello.request_id) {
                 let open: Vec<&Arc<Outbox>> = list.iter().filter(|o| o.lock().closed.is_none()).collect();
@@ -309,12 +309,14 @@ impl Shared {
                     }
                 }
                 if !open.is_empty() {
-                    return Err("unauthorized: no capture with this id for this key");
+                    return Err("unauthorized: no capture with this id for this key".into());
                 }
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err("unauthorized: no capture with this id for this key");
+                // A pull that comes before its capture starts (the decode host connects as it
+                // sends the prefill request) waits this long at most.
+                return Err(format!("unauthorized: no capture with this id for this key started within {wait:?}"));
             }
             reg = self.registered.wait_timeout(reg, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
@@ -497,7 +499,7 @@ fn serve(stream: TcpStream, shared: &Arc<Shared>) {
         Ok(m) => m,
         Err(why) => {
             tracing::warn!(request_id = %request_id, peer = %peer, "refused a pull: {why}");
-            secure::refuse(&mut timed, why);
+            secure::refuse(&mut timed, &why);
             return;
         }
     };
