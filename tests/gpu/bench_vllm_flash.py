@@ -13,13 +13,17 @@ pulled by the decode host's own client (``pd_bridge_omlx.ingest``) into block fi
 as a Mac would. Printed per run and summarised in ``OUT/bench.json``:
 
 - prefill tokens/s (prompt tokens / wall time of the request) and on/off at each length;
-- seal latency: the connector's histogram (``vllm:pd_bridge_seal_latency_seconds``), per run;
+- seal latency: how long after the step that ran the prompt's last chunk the capture sealed (the
+  connector's log line per capture);
 - host RSS of the engine process and GPU memory in use after each run (flat in prompt length
   is the target: the capture holds one block per layer, not the prompt);
 - bytes per token shipped (``vllm:pd_bridge_bytes`` per captured token).
 
 The capture uses the fork's block format (``fork-0.7.0``) unless ``--omlx-format`` says otherwise:
-that is the format the GPU kernels pool; the upstream format's pooling runs on the host.
+that is the format the GPU kernels pool; the upstream format's pooling runs on the host. Blocks
+are ``--block-size`` tokens (default 2,048, the decoder stepping that many tokens per call): the
+fork's blocks hold the whole pool so far, and at 512 a 131,072-token prompt makes the decode
+host's client write ~90 GB and fall behind, which is not what is measured here.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def engine(a) -> None:
     )
     start_s = time.monotonic() - t0
     decoder = pd_bridge_omlx.Weights.load(spec["mlx"])
-    block = pd_bridge_omlx.expected_block_size(decoder, a.omlx_format)
+    block = a.block_size or pd_bridge_omlx.expected_block_size(decoder, a.omlx_format)
     rng = random.Random(0)
     runs, out = [], Path(a.out)
 
@@ -116,7 +120,7 @@ def engine(a) -> None:
 
             puller = threading.Thread(target=pull, daemon=True)
             puller.start()
-        b0, l0 = metric(llm, "vllm:pd_bridge_bytes") or 0, metric(llm, "vllm:pd_bridge_seal_latency_seconds") or (0, 0.0)
+        b0 = metric(llm, "vllm:pd_bridge_bytes") or 0
         t = time.monotonic()
         llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
         wall = time.monotonic() - t
@@ -124,12 +128,12 @@ def engine(a) -> None:
             puller.join(600)
         # one uncaptured step carries the seal's stats to the frontend's loggers
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-        b1, l1 = metric(llm, "vllm:pd_bridge_bytes") or 0, metric(llm, "vllm:pd_bridge_seal_latency_seconds") or (0, 0.0)
-        r = {"tokens": n, "capture": capture, "wall_s": round(wall, 3), "tok_per_s": round(n / wall), "rss_gib": round(engine_rss_bytes() / 2**30, 2),
+        b1 = metric(llm, "vllm:pd_bridge_bytes") or 0
+        r = {"rid": rid if capture else None, "tokens": n, "capture": capture, "wall_s": round(wall, 3), "tok_per_s": round(n / wall), "rss_gib": round(engine_rss_bytes() / 2**30, 2),
              "gpu_used_gib": round(gpu_used_bytes() / 2**30, 2)}
         if capture:
             r.update(pulled=pulled.get("blocks"), seal=pulled.get("seal"), error=pulled.get("error"), bytes=b1 - b0,
-                     bytes_per_token=round((b1 - b0) / n, 1), seal_latency_ms=round(1000 * (l1[1] - l0[1]) / max(1, l1[0] - l0[0]), 2),
+                     bytes_per_token=round((b1 - b0) / n, 1),
                      blocks_on_disk_gib=round(sum(f.stat().st_size for f in dest.rglob("*.safetensors")) / 2**30, 3))
             import shutil
 
@@ -161,6 +165,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--omlx-format", default="fork-0.7.0")
+    ap.add_argument("--block-size", type=int, default=2048)
     ap.add_argument("--engine", metavar="WORK", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.lengths = [int(x) for x in str(a.lengths).split(",")]
@@ -183,10 +188,24 @@ def main() -> int:
     (work / "spec.json").write_text(json.dumps({"hf": str(hf), "mlx": str(mlx), "port": free_port()}))
     env = dict(os.environ, PD_BRIDGE_VLLM="1", VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_DEEP_GEMM_WARMUP="skip", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, __file__, a.out, "--engine", str(work), "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps),
-           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format]
+           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format, "--block-size", str(a.block_size)]
     with open(Path(a.out) / "bench-engine.log", "w") as log:
         p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=int(os.environ.get("PD_BRIDGE_GPU_ENGINE_TIMEOUT", "540")))
     text = (Path(a.out) / "bench-engine.log").read_text(errors="replace")
+    # Seal latency per capture, from the connector's log line ("capture <rid> ... sealed: ...
+    # (X ms after the step's forward ...").
+    import re
+
+    seal_ms = {m.group(1): float(m.group(2)) for m in re.finditer(r"capture (\S+) \(request [^)]*\) sealed: .*?\(([0-9.]+) ms after the step's forward", text)}
+    bench = Path(a.out) / "bench.json"
+    if bench.exists():
+        res = json.loads(bench.read_text())
+        for r in res["runs"]:
+            if r.get("rid"):
+                r["seal_latency_ms"] = seal_ms.get(r["rid"])
+        res["seal_latency_ms"] = seal_ms
+        bench.write_text(json.dumps(res, indent=1))
+        print("seal latency (ms) per capture:", json.dumps(seal_ms))
     print("\n".join(line for line in text.splitlines() if line.startswith("{") or line.startswith(" ") or line.startswith("}")))
     if p.returncode != 0:
         print(text[-4000:])
