@@ -105,10 +105,12 @@ class VllmServer:
 
 
 @contextlib.contextmanager
-def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeout: float = 600.0):
-    """``vllm serve`` for the tiny model with the pd-bridge connector, on loopback."""
+def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeout: float = 600.0,
+                prefix_caching: bool = False, port: int | None = None, segments_port: int | None = None):  # fmt: skip
+    """``vllm serve`` for the tiny model with the pd-bridge connector, on loopback (``port`` /
+    ``segments_port``: a restart on the ports a bridged oMLX already points at)."""
     py = prefill_python()
-    port, seg_port = omlx_server.free_port(), omlx_server.free_port()
+    port, seg_port = port or omlx_server.free_port(), segments_port or omlx_server.free_port()
     kv = {
         "kv_connector": "PdBridgeConnector",
         "kv_connector_module_path": "pd_bridge_vllm.connector",
@@ -119,7 +121,8 @@ def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeou
         py, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model.hf_dir), "--served-model-name", "tiny-mla",
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching", "--skip-tokenizer-init",
+        "--dtype", "bfloat16", "--enforce-eager",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--skip-tokenizer-init",
         "--max-model-len", "32768", "--max-num-batched-tokens", str(max_batched_tokens), "--max-num-seqs", "8",
         "--kv-transfer-config", json.dumps(kv),
     ]  # fmt: skip
