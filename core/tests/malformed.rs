@@ -159,3 +159,36 @@ proptest! {
         let _ = pd_bridge_core::ModelPlan::from_config_json(&json);
     }
 }
+
+/// Sizes no model has are refused by name before anything is sized from them (a config of
+/// 4 billion layers used to be accepted and abort the process allocating per-layer state).
+#[test]
+fn sizes_past_any_model_are_config_errors() {
+    for (field, text) in [
+        ("num_hidden_layers", r#"{"model_type":"kimi_k2","hidden_size":8,"num_hidden_layers":4294967295,"kv_lora_rank":8,"qk_rope_head_dim":4}"#),
+        ("kv_lora_rank", r#"{"model_type":"deepseek_v3","hidden_size":8,"num_hidden_layers":2,"kv_lora_rank":2147483648,"qk_rope_head_dim":4}"#),
+        ("hidden_size", r#"{"model_type":"deepseek_v4","hidden_size":1073741824,"num_hidden_layers":2}"#),
+        ("sliding_window", r#"{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":2,"head_dim":8,"qk_rope_head_dim":4,"index_head_dim":8,"sliding_window":4294967295}"#),
+    ] {
+        match pd_bridge_core::ModelPlan::from_config_json(text) {
+            Err(CoreError::Config { field: f, reason }) => {
+                assert_eq!(f, field, "{reason}");
+                assert!(reason.contains("larger than any model"), "{reason}");
+            }
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+}
+
+/// A segment header may declare arrays of any size: decoding checks every length against the
+/// bytes present before allocating, so a 4-byte body declaring 2^64 bytes is a wire error.
+#[test]
+fn a_segment_declaring_huge_arrays_allocates_nothing() {
+    let header = r#"{"request_id":"r","fingerprint":"f","index":0,"start":0,"end":1,"layers":[{"kind":"kv","arrays":[{"rows":4294967295,"width":4294967295},{"rows":1,"width":1}]}]}"#;
+    let mut payload = (header.len() as u32).to_le_bytes().to_vec();
+    payload.extend_from_slice(header.as_bytes());
+    payload.extend_from_slice(&[0; 4]);
+    let e = pd_bridge_core::segment::Segment::decode(&payload).unwrap_err();
+    assert!(matches!(e, CoreError::Wire(_)), "{e}");
+    assert!(e.to_string().contains("overruns the payload") || e.to_string().contains("overflows"), "{e}");
+}
