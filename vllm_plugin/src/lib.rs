@@ -9,7 +9,7 @@ use pd_bridge_core::capture::{Capture as CoreCapture, DeviceInput, Input};
 use pd_bridge_core::segment::Segment;
 use sha2::{Digest, Sha256};
 use pd_bridge_core::stream::{Outbox, SegmentServer as CoreSegmentServer, ServerConfig};
-use pd_bridge_core::wire::{CaptureSecret, PromptDigest};
+use pd_bridge_core::wire::{CaptureSecret, PromptDigest, Seal};
 use pd_bridge_bindings::{guard, to_py, ConfigError, InputError};
 use pd_bridge_core::DecoderWeights;
 use pyo3::prelude::*;
@@ -292,17 +292,22 @@ impl Capture {
     /// `secret` (the 64 hex digits the decode host sent in `pd_capture.secret`) and
     /// `prompt_digest` (`prompt_digest(ids)` of the ids this engine prefills) key the capture on
     /// the wire: only a decode host holding the secret for this id, weights and prompt can pull
-    /// it. Without a secret the capture computes but nothing can pull its segments (digests only).
+    /// it. `fingerprint`: the weights fingerprint the decode host asked for (`pd_capture.fingerprint`;
+    /// default these weights'), bound into the same key. Without a secret the capture computes
+    /// but nothing can pull its segments (digests only).
     #[new]
-    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None, secret=None, prompt_digest=None))]
+    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None, secret=None, prompt_digest=None, fingerprint=None))]
     #[allow(clippy::too_many_arguments)]
-    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>, secret: Option<&str>, prompt_digest: Option<&str>) -> PyResult<Self> {
+    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>, secret: Option<&str>, prompt_digest: Option<&str>, fingerprint: Option<&str>) -> PyResult<Self> {
         guard(|| {
             let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
             let outbox = match (secret, prompt_digest) {
                 (Some(secret), Some(digest)) => {
                     let (secret, digest) = (CaptureSecret::from_hex(secret).map_err(to_py)?, PromptDigest::from_hex(digest).map_err(to_py)?);
-                    server.inner.outbox(request_id, &secret, &weights.inner.fingerprint, &digest).map_err(to_py)?
+                    // The fingerprint the decode host asked for is what both keys bind: with other
+                    // weights here the stream still opens and carries the aborted seal that says so.
+                    let asked = fingerprint.unwrap_or(&weights.inner.fingerprint);
+                    server.inner.outbox(request_id, &secret, asked, &digest).map_err(to_py)?
                 }
                 (None, None) => Outbox::detached(request_id),
                 _ => return Err(ConfigError::new_err("a capture's secret and prompt_digest come together")),
@@ -459,10 +464,20 @@ impl Capture {
     #[pyo3(signature = (failure=None))]
     fn seal(&mut self, py: Python<'_>, failure: Option<&str>) -> PyResult<String> {
         guard(|| {
+            // A stream the server already gave up (reader gone, too far behind, dropped) did not
+            // deliver this capture, whatever the capture computed: the verdict says so.
+            let dropped = |o: &Outbox| o.closed_reason().map(|r| format!("segment stream closed: {r}"));
+            let failure = failure.map(str::to_owned).or_else(|| dropped(&self.outbox));
             let inner = &mut self.inner;
-            let seal = py.detach(|| inner.seal(failure));
+            let mut seal = py.detach(|| inner.seal(failure.as_deref()));
             let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
             push_all(inner.take_ready(), outbox, digest, segments, wire);
+            if let (Some(reason), false) = (dropped(&self.outbox), matches!(seal, Seal::Aborted { .. })) {
+                let blocks = match &seal {
+                    Seal::Complete { blocks, .. } | Seal::Partial { blocks, .. } | Seal::Aborted { blocks, .. } => *blocks,
+                };
+                seal = Seal::Aborted { blocks, reason };
+            }
             self.outbox.seal(seal.clone());
             Ok(serde_json::to_string(&seal).expect("seal serializes"))
         })

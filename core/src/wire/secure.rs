@@ -3,8 +3,8 @@
 //! Noise `NNpsk0_25519_AESGCM_SHA256` (the `snow` crate, `ring` for AES-GCM and SHA-256): both
 //! sides bring fresh ephemeral keys, and the pre-shared key is the request's [`CaptureKey`],
 //! derived from the shared token, the per-request secret the decode host generated (and sent to
-//! vLLM with the prefill request), the capture id, the decoder weights' fingerprint and a digest
-//! of the prompt's token ids. So:
+//! vLLM with the prefill request), the capture id, the decoder weights' fingerprint the decode host
+//! asked for and a digest of the prompt's token ids. So:
 //! - a peer without the token (a fake prefill server) fails the handshake before a byte of cache
 //!   is accepted, and a decode host without it is refused before a byte is sent;
 //! - anyone with only the token cannot pull another client's capture: they lack its secret;

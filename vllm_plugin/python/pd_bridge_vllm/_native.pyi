@@ -108,12 +108,14 @@ class Capture:
         omlx_format: str | None = None,
         secret: str | None = None,
         prompt_digest: str | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         """``omlx_format``: the decoder's oMLX block format, as the decode host's capture spec
         names it (default the fork's); it decides the overlap semantics and what segments carry.
         ``secret`` (64 hex digits, the decode host's ``pd_capture.secret``) and ``prompt_digest``
         (``prompt_digest(ids)`` of the ids prefilled) key the capture on the wire: only a decode
-        host holding that secret for this id, weights and prompt can pull it. Without them the
+        host holding that secret for this id, weights and prompt can pull it (``fingerprint``: the
+        weights fingerprint the decode host asked for, default these weights'). Without them the
         capture computes but nothing can pull its segments."""
     @property
     def stream_closed(self) -> str | None:

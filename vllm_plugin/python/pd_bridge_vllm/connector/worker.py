@@ -157,7 +157,7 @@ class PdBridgeConnectorWorker:
         try:
             if spec.fingerprint is not None and spec.fingerprint != self._weights.fingerprint:
                 failure = f"weights fingerprint mismatch: request wants {spec.fingerprint}, this host has {self._weights.fingerprint}"
-            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format, spec.secret, spec.prompt_digest)
+            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format, spec.secret, spec.prompt_digest, spec.fingerprint)
         except Exception as e:  # a bad block size, say: the request still runs
             failure = f"capture could not start: {e}"
             logger.error("pd-bridge: request %s: %s", req_id, failure)
