@@ -67,6 +67,19 @@ def test_the_memory_bound_drops_the_oldest_unpulled_capture(weights):
     assert server.queued_bytes <= one * 1.5
 
 
+def test_a_capture_whose_stream_was_dropped_seals_aborted_with_why(weights):
+    """A capture the server gave up (here: the memory bound) never reached its decode host, so its
+    verdict is not `complete`, however far it computed."""
+    _, w = weights
+    probe = fed(w, pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"tok"), "probe", list(range(2 * BLOCK)), seal=False)
+    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"tok", memory_bytes=int(probe.segment_bytes * 1.5))
+    old = fed(w, server, "old", list(range(2 * BLOCK)), seal=False)
+    new = fed(w, server, "new", list(range(2 * BLOCK)), seal=False)
+    verdict = json.loads(old.seal())
+    assert verdict["verdict"] == "aborted" and "segment stream closed" in verdict["reason"] and "memory bound" in verdict["reason"], verdict
+    assert json.loads(new.seal())["verdict"] == "complete"
+
+
 def test_only_the_secret_holder_pulls_and_then_nothing_is_held(weights, tmp_path):
     mlx, w = weights
     omlx = pytest.importorskip("pd_bridge_omlx")
