@@ -5,7 +5,7 @@ took them as a prefix hit. A warm prompt resumed at the block boundary ``S`` its
 at says ``complete; blocks=B; tokens=N; resumed_at=S`` (B: the new blocks, N: the whole prefix
 oMLX now holds, S included); a warm prompt whose resume failed and was bridged from token 0 adds
 ``not_resumed="..."``; ``vllm_cached=C`` is what vLLM took from its own prefix cache (it computed
-the rest). ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
+the rest), said when the capture resumed or C > 0. ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
 reason="..."`` — a bridge was tried and nothing was used. ``native; reason="..."`` — no bridge
 was tried. The kind is the first word, so a client can switch on it.
 
@@ -54,7 +54,9 @@ class Verdict:
         out = f"; resumed_at={self.resumed_at}" if self.resumed_at else ""
         if self.not_resumed:
             out += f"; not_resumed={_quote(self.not_resumed)}"
-        if self.vllm_cached is not None:
+        # Said for a resumed capture (0 there means vLLM recomputed the prefix, e.g. after a
+        # restart) or any hit; a cold capture with none keeps the plain header.
+        if self.vllm_cached is not None and (self.vllm_cached or self.resumed_at):
             out += f"; vllm_cached={self.vllm_cached}"
         return out
 
