@@ -204,9 +204,9 @@ impl Capture {
     /// tensors (queued on a side stream after the producer's stream; the call never waits for the
     /// device, and segments appear in [`Self::take_ready`] once the chunk's CUDA event completed).
     /// A capture is fed from one side only. Without the GPU backend (no `cuda` feature, a block
-    /// size that is not a multiple of every compress ratio, upstream's format unless
-    /// `PD_BRIDGE_GPU_UPSTREAM=1`, or `PD_BRIDGE_GPU=0`) CUDA rows are copied to the host and
-    /// pooled on the CPU.
+    /// size that is not a multiple of every compress ratio, `PD_BRIDGE_GPU_UPSTREAM=0` for
+    /// upstream's format, or `PD_BRIDGE_GPU=0`) CUDA rows are copied to the host and pooled on the
+    /// CPU.
     pub fn feed_input(&mut self, layer: usize, start: usize, input: Input<'_>) -> Result<()> {
         match input {
             Input::Host(x) => {

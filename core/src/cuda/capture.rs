@@ -87,11 +87,12 @@ impl Drop for GpuCapture {
 impl GpuCapture {
     /// `None` when this capture is not handled on the GPU (the caller falls back to the CPU path):
     /// blocks must end on pool window boundaries (`block_size` a multiple of every compress
-    /// ratio: no remainder rows); upstream's format (carried overlap, bf16 pooling sums, previous
-    /// windows in the segments) only with `PD_BRIDGE_GPU_UPSTREAM=1` until it is measured on a GPU.
+    /// ratio: no remainder rows). Upstream's format (carried overlap, bf16 pooling sums, previous
+    /// windows in the segments) is on the GPU too, equal to the CPU path on an H200 (exact GEMM,
+    /// Flash shapes and tiny V4, several chunkings); `PD_BRIDGE_GPU_UPSTREAM=0` sends it to the CPU.
     pub fn new(weights: Arc<DecoderWeights>, device: usize, format: OmlxFormat, plan: SegmentPlan, blocks: usize) -> Result<Option<Self>> {
         let bs = plan.block_size();
-        let upstream = std::env::var("PD_BRIDGE_GPU_UPSTREAM").is_ok_and(|v| v == "1");
+        let upstream = !std::env::var("PD_BRIDGE_GPU_UPSTREAM").is_ok_and(|v| v == "0");
         if (format.overlap() == Overlap::Carried && !upstream) || (0..plan.num_layers()).any(|l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0) {
             return Ok(None);
         }
