@@ -175,6 +175,28 @@ def test_three_turn_chat_resumes_and_vllm_computes_only_the_tail(model, prefill,
     STATE.update(messages=messages, cached=prev_cached, prompt=prev_prompt)
 
 
+def test_a_held_block_that_cannot_give_a_carry_state_bridges_from_zero(model, prefill, bridged):
+    """The last held block's file is damaged before the next turn: the carry state is refused by
+    the block validator, the turn is bridged from token 0 (the writer quarantines the damaged
+    file and rewrites it) and the verdict says why it did not resume."""
+    user, _ = O.prompt_of_tokens(model.omlx_dir, TURN_TOKENS, seed=350)
+    messages = [{"role": "user", "content": user}]
+    answer, verdict, n_prompt, cached = chat_turn(bridged, messages)
+    assert verdict.startswith("complete; ") and answer, verdict
+    ids = chat_ids(model, messages, n_prompt, bridged)
+    held = E.cached_block_paths(bridged, ids, cached // BLOCK, BLOCK)
+    held[-1].write_bytes(b"\0" * 64)  # no longer a block
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": O.prompt_of_tokens(model.omlx_dir, TURN_TOKENS, seed=351)[0]}]
+    answer, verdict, n_prompt, cached = chat_turn(bridged, messages)
+    sent = ((n_prompt - 1) // BLOCK) * BLOCK
+    print(f"damaged held block: X-PD-Bridge: {verdict}; cached_tokens {cached}")
+    assert answer
+    assert verdict.startswith(f"complete; blocks={sent // BLOCK}; tokens={sent}; not_resumed=\"carry state at token {len(held) * BLOCK} not taken"), verdict
+    assert "resumed_at=" not in verdict and cached == sent, (verdict, cached)
+    assert str(bridged.cache_dir) not in verdict and "<cache>/" in verdict, verdict  # no local paths in a verdict
+    assert_faithful(model, bridged, chat_ids(model, messages, n_prompt, bridged), cached)
+
+
 def test_turn_after_prefill_restart_recomputes_and_says_so(model, prefill, bridged):
     if "messages" not in STATE:
         pytest.skip("needs the three-turn chat above")

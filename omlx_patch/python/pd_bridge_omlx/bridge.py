@@ -405,7 +405,8 @@ class Bridge:
                 if first != at:
                     raise PdBridgeError(f"writer resumed at block {first}, the carry state is at block {at}")
             except Exception as e:
-                not_resumed = f"carry state at token {held * block_size} not taken: {e}"
+                # Verdicts go to every client: the cache directory's path stays in the log.
+                not_resumed = f"carry state at token {held * block_size} not taken: " + str(e).replace(str(cache_dir), "<cache>")
                 logger.warning("pd-bridge[%s]: %s; bridging from token 0", request_id, not_resumed)
                 carry, first = None, 0
                 writer = BlockWriter(str(cache_dir), model_name, block_size, ids, self.version.omlx_format, model_dir=model_dir)
