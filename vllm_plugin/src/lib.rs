@@ -264,21 +264,25 @@ struct Capture {
     outbox: Arc<Outbox>,
     /// SHA-256 over every segment handed to the server, in order (header JSON, then each array's
     /// little-endian bytes): lets a test compare two captures' output without a decode host.
-    digest: Sha256,
+    /// Kept only for a capture nobody can pull (no secret): hashing every segment on the forward
+    /// thread would cost a served capture ~1 s per GB.
+    digest: Option<Sha256>,
     segments: usize,
     /// Bytes those segments take on the wire (frame header, length prefix, header JSON, arrays).
     bytes: u64,
 }
 
 /// Hand `segs` to the server, folding each into the running digest.
-fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Sha256, count: &mut usize, bytes: &mut u64) {
+fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Option<Sha256>, count: &mut usize, bytes: &mut u64) {
     for seg in segs {
         let header = serde_json::to_vec(&seg.header).expect("header serializes");
         // What `wire::send_segment` puts on the wire: the frame in its encrypted records.
         *bytes += pd_bridge_core::wire::secure::frame_wire_bytes((4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64);
-        digest.update(header);
-        // The arrays' little-endian bytes in order are the segment's body as it lies.
-        digest.update(seg.body_bytes());
+        if let Some(digest) = digest.as_mut() {
+            digest.update(header);
+            // The arrays' little-endian bytes in order are the segment's body as it lies.
+            digest.update(seg.body_bytes());
+        }
         *count += 1;
         outbox.push(seg);
     }
@@ -301,6 +305,7 @@ impl Capture {
     fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>, secret: Option<&str>, prompt_digest: Option<&str>, fingerprint: Option<&str>) -> PyResult<Self> {
         guard(|| {
             let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
+            let keyed = secret.is_some();
             let outbox = match (secret, prompt_digest) {
                 (Some(secret), Some(digest)) => {
                     let (secret, digest) = (CaptureSecret::from_hex(secret).map_err(to_py)?, PromptDigest::from_hex(digest).map_err(to_py)?);
@@ -313,7 +318,7 @@ impl Capture {
                 _ => return Err(ConfigError::new_err("a capture's secret and prompt_digest come together")),
             };
             let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
-            Ok(Capture { inner, outbox, digest: Sha256::new(), segments: 0, bytes: 0 })
+            Ok(Capture { inner, outbox, digest: (!keyed).then(Sha256::new), segments: 0, bytes: 0 })
         })
     }
 
@@ -454,7 +459,7 @@ impl Capture {
     #[getter]
     fn segments_digest(&self) -> PyResult<(usize, String)> {
         guard(|| {
-            let d = self.digest.clone().finalize();
+            let d = self.digest.clone().ok_or_else(|| InputError::new_err("segments_digest is kept only for a capture made without a secret (tests, diagnostics)"))?.finalize();
             Ok((self.segments, d.iter().map(|b| format!("{b:02x}")).collect()))
         })
     }

@@ -157,7 +157,8 @@ class Capture:
         """Bytes of the segments sent so far, as they go on the wire (frames included)."""
     @property
     def segments_digest(self) -> tuple[int, str]:
-        """Segments sent so far and the SHA-256 (hex) over them, in order."""
+        """Segments sent so far and the SHA-256 (hex) over them, in order. Kept only for a capture
+        made without a secret (tests, diagnostics); otherwise ``InputError``."""
     @property
     def segment_bytes(self) -> int:
         """Bytes of the segments sent so far, as they go on the wire."""
