@@ -7,12 +7,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
-use half::bf16;
-use pd_bridge_core::block::layout::LayerView;
-use pd_bridge_core::pooler::ArrayView;
-use pd_bridge_core::segment::Segment;
 use pd_bridge_core::wire::fuzz;
-use pd_bridge_core::OmlxFormat;
 
 struct Rng(u64);
 
@@ -42,14 +37,7 @@ impl Rng {
     }
 }
 
-fn segments(n: usize, width: usize) -> Vec<Segment> {
-    (0..n)
-        .map(|i| {
-            let d: Vec<bf16> = (0..4 * width).map(|j| bf16::from_f32((i * 31 + j) as f32)).collect();
-            Segment::from_views(OmlxFormat::Fork070, "r", "fp", i as u32, 4 * i as u64, 4 * i as u64 + 4, &[LayerView::Kv(ArrayView::new(width, &d), ArrayView::new(width, &d))])
-        })
-        .collect()
-}
+use pd_bridge_core::wire::fuzz::segments;
 
 fn mutate(r: &mut Rng, b: &mut Vec<u8>) {
     for _ in 0..1 + r.below(3) {

@@ -1,22 +1,10 @@
 //! The wire's parsers under a structured fuzzer, a bounded number of cases per `cargo test`
 //! (the long run: `cargo run --release --example fuzz_wire`). Targets: `wire::fuzz`.
 
-use half::bf16;
-use pd_bridge_core::block::layout::LayerView;
-use pd_bridge_core::pooler::ArrayView;
-use pd_bridge_core::segment::Segment;
 use pd_bridge_core::wire::fuzz;
-use pd_bridge_core::OmlxFormat;
 use proptest::prelude::*;
 
-fn segments(n: usize, width: usize) -> Vec<Segment> {
-    (0..n)
-        .map(|i| {
-            let d: Vec<bf16> = (0..4 * width).map(|j| bf16::from_f32((i * 31 + j) as f32)).collect();
-            Segment::from_views(OmlxFormat::Fork070, "r", "fp", i as u32, 4 * i as u64, 4 * i as u64 + 4, &[LayerView::Kv(ArrayView::new(width, &d), ArrayView::new(width, &d))])
-        })
-        .collect()
-}
+use pd_bridge_core::wire::fuzz::segments;
 
 #[derive(Clone, Debug)]
 enum Mutation {

@@ -78,6 +78,19 @@ fn drain<F: FrameSource>(reader: &mut SegmentReader<F>, max: usize) -> Vec<Event
 }
 
 /// Plain frames (in-memory codec) from arbitrary bytes: no panic; nothing over the limits.
+/// `n` small valid segments (one MLA-shaped layer of `width`, 4 tokens each): the seed stream
+/// the fuzz targets mutate.
+pub fn segments(n: usize, width: usize) -> Vec<Segment> {
+    use crate::block::layout::LayerView;
+    use crate::pooler::ArrayView;
+    (0..n)
+        .map(|i| {
+            let d: Vec<half::bf16> = (0..4 * width).map(|j| half::bf16::from_f32((i * 31 + j) as f32)).collect();
+            Segment::from_views(crate::OmlxFormat::Fork070, "r", "fp", i as u32, 4 * i as u64, 4 * i as u64 + 4, &[LayerView::Kv(ArrayView::new(width, &d), ArrayView::new(width, &d))])
+        })
+        .collect()
+}
+
 pub fn plain_frames(data: &[u8]) -> usize {
     let mut r = SegmentReader::with_limits(data, "r", "fp", LIMITS);
     drain(&mut r, 64).len()
