@@ -31,15 +31,16 @@ sys.path.insert(0, str(HERE.parent))
 
 import omlx_server  # noqa: E402
 
-PROMPT_TOKENS = {"a": (4400, 11), "b": (2600, 12)}  # as vllm_capture.PROMPTS
-MODEL_NAME = {"mla": "tiny-mla-gpu", "v4": "tiny-v4-gpu"}  # as vllm_capture.MODEL_NAME
-FORMAT_A = "upstream-0.6.3"
+sys.path.insert(0, str(HERE))
+from vllm_capture import FORMATS, MODEL_NAME, PROMPTS  # noqa: E402  (stdlib-only at import)
+
+FORMAT_A = FORMATS["a"]
 
 
 def prompts(path: Path) -> int:
     tok = omlx_server.add_tokenizer(Path(tempfile.mkdtemp(prefix="pdb-tok-")))
     out = {}
-    for k, (n, seed) in PROMPT_TOKENS.items():
+    for k, (n, seed) in PROMPTS.items():
         text, ids = omlx_server.prompt_of_tokens(tok, n, seed=seed)
         out[k] = {"text": text, "ids": ids}
     path.write_text(json.dumps(out))
@@ -53,32 +54,31 @@ def untar(tar: Path, dest: Path) -> Path:
     return dest
 
 
-def validate(blocks: Path, weights_dir: Path, model_name: str, block_size: int) -> tuple[int, int]:
-    """(files, tokens) of ``blocks`` after the core's validator accepted each of them."""
+def unpack(family: str, out: Path, work: Path, blocks_dir: str, prompt: dict) -> tuple[dict, dict, Path, list[int], int, int, int]:
+    """Untar the family's model and request a's blocks; validate every block with the core's
+    validator. Returns (result, its checks, blocks dir, ids, block size, blocks, tokens)."""
     import pd_bridge_omlx
 
-    w = pd_bridge_omlx.Weights.load(str(weights_dir))
+    res: dict = {"family": family, "checks": {}}
+    ok = res["checks"]
+    untar(out / f"{family}-model.tar", work)
+    blocks = untar(out / f"{family}-a-blocks.tar", work / blocks_dir)
+    ids = json.loads((work / f"{family}-a.ids.json").read_text())
+    ok["the GPU host prefilled exactly the prompt's ids"] = ids == prompt["ids"]
+    w = pd_bridge_omlx.Weights.load(str(work / f"{family}-mlx"))
+    block = pd_bridge_omlx.expected_block_size(w, FORMAT_A)
     files = sorted(blocks.rglob("*.safetensors"))
-    tokens = sum(pd_bridge_omlx.inspect_block(str(f), model_name, w.num_layers, block_size, FORMAT_A)[1] for f in files)
-    return len(files), tokens
+    tokens = sum(pd_bridge_omlx.inspect_block(str(f), MODEL_NAME[family], w.num_layers, block, FORMAT_A)[1] for f in files)
+    res["blocks"], res["block_size"] = len(files), block
+    return res, ok, blocks, ids, block, len(files), tokens
 
 
 def check_mla(out: Path, work: Path, prompt: dict) -> dict:
     import e2e_stack
     import fidelity as F
 
-    import pd_bridge_omlx
-
-    res: dict = {"family": "mla", "checks": {}}
-    ok = res["checks"]
-    untar(out / "mla-model.tar", work)
-    blocks = untar(out / "mla-a-blocks.tar", work / "cache")
-    ids = json.loads((work / "mla-a.ids.json").read_text())
-    ok["the GPU host prefilled exactly the prompt's ids"] = ids == prompt["ids"]
+    res, ok, blocks, ids, block, n_blocks, tokens = unpack("mla", out, work, "cache", prompt)
     model_dir = e2e_stack.omlx_model_from_hf(work / "mla-hf", work / "models" / MODEL_NAME["mla"])
-    block = pd_bridge_omlx.expected_block_size(pd_bridge_omlx.Weights.load(str(work / "mla-mlx")), FORMAT_A)
-    n_blocks, tokens = validate(blocks, work / "mla-mlx", MODEL_NAME["mla"], block)
-    res["blocks"], res["block_size"] = n_blocks, block
     ok[f"every block valid for the decoder's plan ({n_blocks} blocks, {tokens} tokens)"] = n_blocks > 0 and tokens == n_blocks * block
     with omlx_server.serve(work / "models", blocks, work / "home", model=MODEL_NAME["mla"]) as server:
         resp = omlx_server.complete(server.base_url, server.model, prompt["text"], max_tokens=1)
@@ -101,17 +101,7 @@ def check_mla(out: Path, work: Path, prompt: dict) -> dict:
 
 
 def check_v4(out: Path, work: Path, prompt: dict) -> dict:
-    import pd_bridge_omlx
-
-    res: dict = {"family": "v4", "checks": {}}
-    ok = res["checks"]
-    untar(out / "v4-model.tar", work)
-    blocks = untar(out / "v4-a-blocks.tar", work / "blocks")
-    ids = json.loads((work / "v4-a.ids.json").read_text())
-    ok["the GPU host prefilled exactly the prompt's ids"] = ids == prompt["ids"]
-    block = pd_bridge_omlx.expected_block_size(pd_bridge_omlx.Weights.load(str(work / "v4-mlx")), FORMAT_A)
-    n_blocks, tokens = validate(blocks, work / "v4-mlx", MODEL_NAME["v4"], block)
-    res["blocks"], res["block_size"] = n_blocks, block
+    res, ok, _, ids, block, n_blocks, tokens = unpack("v4", out, work, "blocks", prompt)
     want = len(ids) // block
     ok[f"every block valid for the decoder's plan ({n_blocks} of {want} blocks, {tokens} tokens)"] = n_blocks == want > 0 and tokens == want * block
     return res
