@@ -205,6 +205,15 @@ def completion(server, prompt: str, max_tokens: int = 8, **extra) -> tuple[dict,
     return post(f"{server.base_url}/v1/completions", body)
 
 
+def bridge_status(server) -> dict:
+    """The bridge's own status route on a bridged oMLX."""
+    return json.loads(_get(f"{server.base_url}/pd-bridge/v1/status"))
+
+
+def answer_text(resp: dict) -> str:
+    return resp["choices"][0]["text"]
+
+
 def cached_tokens(resp: dict) -> int:
     return int(((resp.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 

@@ -185,12 +185,7 @@ def native(model, work):
         yield server
 
 
-def status(server) -> dict:
-    return json.loads(E._get(f"{server.base_url}/pd-bridge/v1/status"))
-
-
-def answer(resp: dict) -> str:
-    return resp["choices"][0]["text"]
+status, answer = E.bridge_status, E.answer_text
 
 
 def test_a_prefill_server_without_the_token_gets_nothing_written(model, fake, bridged, native):
