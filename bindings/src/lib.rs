@@ -7,11 +7,14 @@
 //! - [`guard()`]: every `#[pyfunction]`/`#[pymethods]` body runs inside it; a panic becomes
 //!   [`errors::InternalError`] (an `Exception`, not pyo3's `PanicException`, which derives from
 //!   `BaseException` and would end vLLM's or oMLX's engine threads);
+//! - [`buffer`]: zero-copy bf16 views of Python buffers (bytes, memoryview, numpy), on the
+//!   3.10 stable ABI too;
 //! - [`logging`]: a `tracing` layer forwarding events to loggers `pd_bridge.core...` with the
 //!   request id.
 //!
 //! Each wheel calls [`init_module`] from its `#[pymodule_init]`.
 
+pub mod buffer;
 pub mod errors;
 pub mod logging;
 

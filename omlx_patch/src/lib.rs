@@ -3,13 +3,12 @@
 
 use std::sync::Arc;
 
-use half::bf16;
 use pd_bridge_core::block::validate::{inspect_with, move_aside, Expect};
 use pd_bridge_core::block::BlockWriter as CoreBlockWriter;
+use pd_bridge_bindings::buffer::{with_bf16, ByteView};
 use pd_bridge_bindings::errors::to_py_with;
 use pd_bridge_bindings::{guard, to_py, ConfigError, InputError, PdBridgeError};
 use pd_bridge_core::{CacheBuilder as CoreCacheBuilder, CoreError, DecoderSteps, DecoderWeights, OmlxFormat};
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -21,45 +20,6 @@ pyo3::create_exception!(pd_bridge_omlx._native, BlockRejected, PdBridgeError, "A
 /// The core's block-format descriptor by name (`None`: the fork's, for older callers).
 fn format_of(name: Option<&str>) -> PyResult<OmlxFormat> {
     name.map_or(Ok(OmlxFormat::Fork070), |n| OmlxFormat::from_name(n).map_err(to_py))
-}
-
-/// Any C-contiguous Python buffer of bytes or 2-byte values (bytes, bytearray, memoryview, a
-/// numpy uint8/uint16 array), held until dropped.
-fn byte_buffer(obj: &Bound<'_, PyAny>) -> PyResult<PyUntypedBuffer> {
-    let buf = PyUntypedBuffer::get(obj).map_err(|e| {
-        let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
-        InputError::new_err(format!("data: a {ty} is not a buffer ({e}); pass bytes, bytearray, memoryview or a numpy array"))
-    })?;
-    let itemsize = buf.item_size();
-    if itemsize != 1 && itemsize != 2 {
-        return Err(InputError::new_err(format!("data: buffer items are {itemsize} bytes; expected raw bytes or 2-byte bf16 bit patterns")));
-    }
-    if !buf.is_c_contiguous() {
-        return Err(InputError::new_err("data: buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)"));
-    }
-    if buf.len_bytes() % 2 != 0 {
-        return Err(InputError::new_err(format!("{} bytes is not a whole number of bf16 values", buf.len_bytes())));
-    }
-    Ok(buf)
-}
-
-/// Run `f` on a buffer from [`byte_buffer`] as little-endian bf16: in place when aligned (bf16
-/// is a plain 2-byte value and the host little-endian), else from a copy. The caller must not
-/// modify the buffer during the call.
-fn with_bf16<T>(buf: &PyUntypedBuffer, f: impl FnOnce(&[bf16]) -> T) -> T {
-    let (ptr, len) = (buf.buf_ptr() as *const u8, buf.len_bytes());
-    if len == 0 {
-        return f(&[]);
-    }
-    if cfg!(target_endian = "little") && (ptr as usize) % std::mem::align_of::<bf16>() == 0 {
-        // SAFETY: a contiguous buffer of `len` (even) bytes, aligned, alive while `buf` is held.
-        f(unsafe { std::slice::from_raw_parts(ptr as *const bf16, len / 2) })
-    } else {
-        // SAFETY: as above, read as bytes.
-        let data = unsafe { std::slice::from_raw_parts(ptr, len) };
-        let x: Vec<bf16> = data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
-        f(&x)
-    }
 }
 
 /// The decoder's attention-cache weights, read from an MLX model directory.
@@ -124,9 +84,9 @@ impl CacheBuilder {
     /// bytearray, memoryview, a numpy uint8/uint16 array), read in place.
     fn feed(&mut self, py: Python<'_>, layer: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
         guard(|| {
-            let buf = byte_buffer(data)?;
-            let inner = &mut self.inner;
-            py.detach(|| with_bf16(&buf, |x| inner.feed(layer, start, x))).map_err(to_py)
+            let view = ByteView::bf16(data, "data")?;
+            let (bytes, inner) = (view.bytes(), &mut self.inner);
+            py.detach(|| with_bf16(bytes, |x| inner.feed(layer, start, x))).map_err(to_py)
         })
     }
 
@@ -206,12 +166,8 @@ impl BlockWriter {
     /// Returns `(path, bytes, existed)`; the flush finishes in the background (see `flush`).
     fn write_segment(&self, py: Python<'_>, payload: &Bound<'_, PyAny>) -> PyResult<(std::path::PathBuf, u64, bool)> {
         guard(|| {
-            let buf = PyUntypedBuffer::get(payload).map_err(|e| InputError::new_err(format!("payload: not a buffer ({e})")))?;
-            if !buf.is_c_contiguous() {
-                return Err(InputError::new_err("payload: buffer is not C-contiguous"));
-            }
-            // SAFETY: a contiguous buffer of `len_bytes` bytes, alive while `buf` is held.
-            let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+            let view = ByteView::get(payload, "payload")?;
+            let bytes = view.bytes();
             let w = py
                 .detach(|| pd_bridge_core::segment::Segment::decode(bytes).and_then(|seg| self.inner.write_segment(&seg)))
                 .map_err(|e| match e {
