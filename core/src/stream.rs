@@ -27,11 +27,6 @@ use crate::segment::Segment;
 use crate::wire::secure::{self, Hello, Matched};
 use crate::wire::{self, CaptureKey, CaptureSecret, Event, FrameLimits, PromptDigest, Seal, SegmentReader};
 
-/// Segments an outbox holds for a decode host that is not reading; past this the request's
-/// stream is given up (the decode host will see a broken stream and fall back) rather than
-/// letting prefill-host memory grow with the prompt.
-pub const MAX_QUEUED: usize = 64;
-
 /// The segment server's bounds and deadlines.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -104,6 +99,12 @@ impl Outbox {
     }
 
     /// Queue a segment; false when the stream is closed (receiver gone, dropped, too far behind).
+    ///
+    /// One engine step may complete many blocks at once (a whole prompt in one step releases
+    /// every block at its last layer), so what bounds a stream is bytes, not segments: past the
+    /// server's memory bound the oldest unpulled captures are dropped first, and if the
+    /// outboxes being read still hold more than the bound, this one, the stream growing, is
+    /// given up (its decode host sees a broken stream and falls back).
     pub fn push(&self, seg: Segment) -> bool {
         if self.key.is_none() {
             return true;
@@ -114,19 +115,24 @@ impl Outbox {
             if s.closed.is_some() || s.seal.is_some() {
                 return false;
             }
-            if s.queue.len() >= MAX_QUEUED {
-                drop(s);
-                self.close(format!("the decode host is not reading: {MAX_QUEUED} segments queued"));
-                return false;
-            }
             s.queue.push_back((seg, bytes));
             s.queued_bytes += bytes;
             self.ready.notify_all();
         }
         if let Some(shared) = self.shared.upgrade() {
+            let bound = shared.config.memory_bound;
             let total = shared.queued.fetch_add(bytes, Ordering::SeqCst) + bytes;
-            if total > shared.config.memory_bound {
+            if total > bound {
                 shared.evict();
+                let left = shared.queued.load(Ordering::SeqCst);
+                if left > bound {
+                    let mine = self.queued_bytes();
+                    self.close(format!(
+                        "the decode host is not reading fast enough: {} MiB queued for it, the prefill host's segment memory bound ({} MiB) is full",
+                        mine >> 20,
+                        bound >> 20
+                    ));
+                }
             }
         }
         !self.is_closed()
@@ -590,8 +596,10 @@ impl IngestControl {
 /// What the decode host pulls, and with what proof.
 #[derive(Clone, Debug)]
 pub struct Pull<'a> {
-    /// The prefill host's segment server.
-    pub addr: SocketAddr,
+    /// The prefill host's segment server: every address its name resolved to, tried in order
+    /// (a Mac's `gpu-box.local` often resolves to an IPv6 link-local address first while the
+    /// server listens on IPv4 only).
+    pub addrs: Vec<SocketAddr>,
     pub token: &'a [u8],
     /// The secret this decode host generated for the capture and sent with its prefill request.
     pub secret: &'a CaptureSecret,
@@ -606,6 +614,22 @@ pub struct Pull<'a> {
     pub timeout: Duration,
 }
 
+/// The first of `addrs` that accepts a connection within `timeout`, or an error naming each
+/// address tried and why it failed.
+fn connect_any(addrs: &[SocketAddr], timeout: Duration) -> Result<TcpStream> {
+    let mut tried = vec![];
+    for addr in addrs {
+        match TcpStream::connect_timeout(addr, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => tried.push(format!("{addr}: {e}")),
+        }
+    }
+    if tried.is_empty() {
+        return Err(CoreError::wire("cannot reach the prefill host: no address to connect to"));
+    }
+    Err(CoreError::wire(format!("cannot reach the prefill host at {}", tried.join("; "))))
+}
+
 /// Decode side: receive the capture's segments, write each block with `writer` as it arrives
 /// (flushed before `on_block(index)` is called), and stop at the seal. A broken stream keeps
 /// every block already written: each is whole and verified.
@@ -614,8 +638,7 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
     let outcome = (|| -> Result<Seal> {
         control.check()?;
         let key = CaptureKey::derive(pull.token, pull.secret, pull.request_id, pull.fingerprint, &pull.prompt)?;
-        let addr = pull.addr;
-        let stream = TcpStream::connect_timeout(&addr, pull.timeout).map_err(|e| CoreError::wire(format!("cannot reach the prefill host at {addr}: {e}")))?;
+        let stream = connect_any(&pull.addrs, pull.timeout)?;
         control.attach(&stream)?;
         let _ = stream.set_nodelay(true);
         stream.set_read_timeout(Some(pull.timeout)).and_then(|_| stream.set_write_timeout(Some(pull.timeout))).map_err(|e| CoreError::wire(e.to_string()))?;

@@ -58,7 +58,7 @@ fn serve(server: &SegmentServer, w: &DecoderWeights, id: &str, tokens: &[u32], s
 fn pull(server: &SegmentServer, w: &DecoderWeights, id: &str, tokens: &[u32], writer: &BlockWriter) -> Ingested {
     let s = secret(id);
     let p = Pull {
-        addr: server.local_addr(),
+        addrs: vec![server.local_addr()],
         token: b"tok",
         secret: &s,
         request_id: id,

@@ -426,7 +426,7 @@ fn resumed_capture_ingests_over_tcp() {
     let writer = BlockWriter::with_format(UP, &dir, "tiny", block, &tokens).unwrap().with_plan(&w.plan).unwrap();
     writer.resume_at(&CarryState::decode(&carry_bytes).unwrap()).unwrap();
     let pull = Pull {
-        addr: server.local_addr(),
+        addrs: vec![server.local_addr()],
         token: b"tok",
         secret: &secret,
         request_id: "req",

@@ -9,7 +9,7 @@ use std::time::Duration;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::stream::{ingest, IngestControl, Ingested, Pull, SegmentServer};
+use pd_bridge_core::stream::{ingest, IngestControl, Ingested, Pull, SegmentServer, ServerConfig};
 use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest, Seal};
 use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, CoreError};
 
@@ -25,7 +25,7 @@ fn secret() -> CaptureSecret {
 fn pull(server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, tokens: &[u32], writer: &BlockWriter, timeout: Duration, control: &IngestControl, on_block: impl FnMut(usize)) -> Ingested {
     let s = secret();
     let p = Pull {
-        addr: server.local_addr(),
+        addrs: vec![server.local_addr()],
         token,
         secret: &s,
         request_id: id,
@@ -44,9 +44,13 @@ fn setup(prompt: usize) -> (Arc<DecoderWeights>, Vec<Vec<half::bf16>>, Vec<u32>)
     (w, inputs, (0..prompt as u32).collect())
 }
 
-/// Feed the capture in 100-token chunks on another thread, pushing segments as they complete;
+/// Feed the capture in 100-token (or `chunk`-token) chunks on another thread, pushing segments as they complete;
 /// stop after `stop_after` tokens without sealing if asked (a dying prefill host).
 fn prefill(server: &SegmentServer, w: Arc<DecoderWeights>, inputs: Vec<Vec<half::bf16>>, prompt: usize, stop_after: Option<usize>) -> std::thread::JoinHandle<()> {
+    prefill_in_chunks(server, w, inputs, prompt, stop_after, 100)
+}
+
+fn prefill_in_chunks(server: &SegmentServer, w: Arc<DecoderWeights>, inputs: Vec<Vec<half::bf16>>, prompt: usize, stop_after: Option<usize>, chunk: usize) -> std::thread::JoinHandle<()> {
     let tokens: Vec<u32> = (0..prompt as u32).collect();
     let outbox = server.outbox("req", &secret(), &w.fingerprint, &PromptDigest::of(&tokens)).unwrap();
     std::thread::spawn(move || {
@@ -54,7 +58,7 @@ fn prefill(server: &SegmentServer, w: Arc<DecoderWeights>, inputs: Vec<Vec<half:
         let mut cap = Capture::new(w.clone(), "req", prompt, BLOCK).unwrap();
         let mut start = 0;
         while start < prompt {
-            let end = (start + 100).min(prompt);
+            let end = (start + chunk).min(prompt);
             if stop_after.is_some_and(|s| start >= s) {
                 return;
             }
@@ -137,20 +141,40 @@ fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
 }
 
 #[test]
-fn an_unread_outbox_is_bounded() {
+fn an_unread_outbox_is_bounded_by_the_memory_bound() {
     let prompt = 2 * BLOCK;
     let (w, inputs, _) = setup(prompt);
-    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(5)).unwrap();
-    let outbox = server.outbox("nobody-reads", &secret(), &w.fingerprint, &PromptDigest::of(&[])).unwrap();
     let hidden = w.plan.hidden_size();
     let mut cap = Capture::new(w.clone(), "nobody-reads", prompt, BLOCK).unwrap();
     for (l, x) in inputs.iter().enumerate() {
         cap.feed(l, 0, &x[..BLOCK * hidden]).unwrap();
     }
     let seg = cap.take_ready().pop().unwrap();
-    let accepted = (0..pd_bridge_core::stream::MAX_QUEUED + 5).filter(|_| outbox.push(seg.clone())).count();
-    assert_eq!(accepted, pd_bridge_core::stream::MAX_QUEUED);
+    let bytes = pd_bridge_core::wire::segment_payload_len(&seg);
+    let config = ServerConfig { memory_bound: 3 * bytes + bytes / 2, ..ServerConfig::default() };
+    let server = SegmentServer::bind_with("127.0.0.1:0", b"tok".to_vec(), config).unwrap();
+    let outbox = server.outbox("nobody-reads", &secret(), &w.fingerprint, &PromptDigest::of(&[])).unwrap();
+    let accepted = (0..8).filter(|_| outbox.push(seg.clone())).count();
+    assert_eq!(accepted, 3, "three segments fit the bound, the fourth crosses it");
     assert!(outbox.is_closed());
+    assert_eq!(outbox.queued_bytes(), 0, "a dropped stream holds nothing");
+}
+
+#[test]
+fn a_step_that_completes_a_hundred_blocks_at_once_streams_them_all() {
+    // The whole prompt in one step (vLLM's CPU backend without chunked prefill, or a long
+    // chunk of small blocks): every block completes at the last layer's feed, far more at once
+    // than a decode host reads in that time; the stream must carry them all.
+    let prompt = 100 * BLOCK;
+    let (w, inputs, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(60)).unwrap();
+    let producer = prefill_in_chunks(&server, w.clone(), inputs, prompt, None, prompt);
+    let dir = temp_dir("one-step");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(60), &IngestControl::default(), |_| {});
+    producer.join().unwrap();
+    assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 100, tokens: prompt as u64 });
+    assert_eq!(got.blocks, 100);
 }
 
 #[test]

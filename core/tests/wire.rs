@@ -124,7 +124,7 @@ fn ingest_from(addr: SocketAddr, dir: &std::path::Path) -> pd_bridge_core::strea
     let tokens: Vec<u32> = (0..16).collect();
     let writer = BlockWriter::new(dir, "/m", 8, &tokens).unwrap();
     let s = secret(0x11);
-    let p = Pull { addr, token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: Duration::from_secs(5) };
+    let p = Pull { addrs: vec![addr], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: Duration::from_secs(5) };
     ingest(&p, &writer, &IngestControl::default(), |_| {})
 }
 

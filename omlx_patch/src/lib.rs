@@ -369,7 +369,10 @@ fn ingest(
 ) -> PyResult<(usize, String)> {
     guard(|| {
         use std::net::ToSocketAddrs;
-        let addr = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| PdBridgeError::new_err(format!("cannot resolve {host}:{port}")))?;
+        let addrs: Vec<_> = (host, port).to_socket_addrs().map_err(|e| PdBridgeError::new_err(format!("cannot resolve {host}:{port}: {e}")))?.collect();
+        if addrs.is_empty() {
+            return Err(PdBridgeError::new_err(format!("cannot resolve {host}:{port}: no address")));
+        }
         let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
         let own = pd_bridge_core::stream::IngestControl::default();
         let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
@@ -379,7 +382,7 @@ fn ingest(
         let w = &writer.inner;
         let limits = w.plan().map(|plan| pd_bridge_core::wire::FrameLimits::for_plan(plan, w.format(), w.block_size())).unwrap_or_default();
         let pull = pd_bridge_core::stream::Pull {
-            addr,
+            addrs,
             token: &token,
             secret: &secret,
             request_id,

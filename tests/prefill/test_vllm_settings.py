@@ -1,4 +1,5 @@
-"""Engine settings checked at start (prefix caching is accepted), and the pointer
+"""Engine settings checked at start (prefix caching is accepted; pipeline and data parallelism
+are refused), and the pointer
 descriptor path into the native capture."""
 
 import json
@@ -27,6 +28,24 @@ def test_prefix_caching_is_accepted_and_captured_hits_are_capped():
     check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=False)))
     assert prefix_cap.install()
     assert getattr(KVCacheManager.get_computed_blocks, "_pd_bridge_capped", False)
+
+
+def test_pipeline_and_data_parallelism_are_refused_naming_the_setting():
+    """Pipeline stages see only their own layers and data-parallel engines would each bind the
+    segment port: refused at start with the setting named, on vLLM's own ParallelConfig."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, ParallelConfig
+
+    from pd_bridge_vllm.connector import check_engine_settings
+
+    cache = CacheConfig(enable_prefix_caching=True)
+    check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=2)))
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
+        pc = ParallelConfig()
+        setattr(pc, name, 2)
+        with pytest.raises(ValueError, match=f"{name}=2 is not supported"):
+            check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
 
 
 def test_feed_ptr_equals_feed_bytes(tmp_path):

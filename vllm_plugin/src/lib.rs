@@ -152,14 +152,17 @@ fn push_all(segs: Vec<Segment>, outbox: &Outbox, digest: &mut Option<Sha256>, co
     for seg in segs {
         let header = serde_json::to_vec(&seg.header).expect("header serializes");
         // What `wire::send_segment` puts on the wire: the frame in its encrypted records.
-        *bytes += pd_bridge_core::wire::secure::frame_wire_bytes((4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64);
+        let wire = pd_bridge_core::wire::secure::frame_wire_bytes((4 + header.len() + seg.arrays.iter().map(|a| a.len() * 2).sum::<usize>()) as u64);
         if let Some(digest) = digest.as_mut() {
             digest.update(header);
             // The arrays' little-endian bytes in order are the segment's body as it lies.
             digest.update(seg.body_bytes());
         }
-        *count += 1;
-        outbox.push(seg);
+        // Counted only when queued: a closed stream (its reader gone, dropped) ships nothing more.
+        if outbox.push(seg) {
+            *count += 1;
+            *bytes += wire;
+        }
     }
 }
 

@@ -172,6 +172,10 @@ class Admissions:
         if finish is not None:
             finish(cached_tokens)
 
+    def withdraw(self, request_id: str) -> bool:
+        """Forget a request that will never be admitted; False when its lookup already ran."""
+        return self._pop(request_id) is not None
+
     def give_up(self, request_id: str) -> None:
         finish = self._pop(request_id)
         if finish is not None:
@@ -236,12 +240,25 @@ def install_bridge() -> None:
             bridge = get_bridge()
             verdict, nbytes = Verdict("native", "bridge did not run", request_id=request_id), 0
             try:
-                verdict, nbytes, ids = await bridge.prepare(self, prompt, request_id, multimodal)
-                if ids is not None:
-                    bound.arguments["prompt"] = ids  # what the blocks were keyed on, not a re-tokenization
+                if bound.arguments.get("skip_cache_store") or bound.arguments.get("benchmark_trace"):
+                    # oMLX's own benchmarks: the prompt must not enter the prefix cache, and what
+                    # they time is oMLX's prefill.
+                    verdict = Verdict("native", "the request asks oMLX not to store its cache (skip_cache_store)", request_id=request_id)
+                else:
+                    verdict, nbytes, ids = await bridge.prepare(self, prompt, request_id, multimodal)
+                    if ids is not None:
+                        bound.arguments["prompt"] = ids  # what the blocks were keyed on, not a re-tokenization
             except Exception as e:  # never let the bridge fail a request
                 logger.exception("pd-bridge[%s]: bridge error", request_id)
-                verdict = Verdict("native", f"bridge error: {e}", request_id=request_id)
+                verdict = Verdict("native", f"bridge error: {type(e).__name__}", request_id=request_id)
+
+            def refused(claimed: Verdict, e: BaseException) -> Verdict:
+                """oMLX did not take the request: the bridged blocks stay in its cache (a retry
+                hits them), but this request used none."""
+                if claimed.kind not in ("complete", "partial"):
+                    return claimed
+                why = "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__
+                return Verdict("declined", f"oMLX did not take the request ({why}); the {claimed.blocks} bridged blocks stay in its cache", request_id=request_id)
 
             def finish(final: Verdict) -> None:
                 if final.kind == "native":
@@ -265,13 +282,17 @@ def install_bridge() -> None:
                 loop.call_later(bridge.cfg.timeout_s, ADMISSIONS.give_up, request_id)
                 try:
                     return await original(*bound.args, **bound.kwargs)
-                except BaseException:
-                    ADMISSIONS.give_up(request_id)
+                except BaseException as e:
+                    if ADMISSIONS.withdraw(request_id):
+                        finish(refused(claimed, e))
                     raise
             try:
                 rid = await original(*bound.args, **bound.kwargs)
                 verdict = bridge.confirm(self, rid, verdict)
                 return rid
+            except BaseException as e:
+                verdict = refused(verdict, e)
+                raise
             finally:
                 finish(verdict)
 

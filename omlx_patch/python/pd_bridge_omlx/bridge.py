@@ -122,6 +122,11 @@ class PrefillUnavailable(RuntimeError):
 # Connections to the prefill host, per bridge: a few long prefill requests at once plus the
 # health/model probes; idle ones are kept for the next bridge.
 _POOL_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=30.0)
+# The health check and model list, each: past this (and the connect timeout) the prompt is served
+# natively whatever the prefill host is doing.
+_PROBE_S = 6.0
+# vLLM's answers here are a few hundred bytes (a one-token completion, its model list).
+_MAX_ANSWER_BYTES = 1 << 20
 _TIMEOUT_PHASE = {httpx.ConnectTimeout: "connecting", httpx.ReadTimeout: "waiting for the answer",
                   httpx.WriteTimeout: "sending the request", httpx.PoolTimeout: "waiting for a free connection"}  # fmt: skip
 
@@ -152,11 +157,27 @@ class PrefillHost:
     def _request(self, path: str, body: dict | None, timeout: float) -> dict:
         url = f"{self.cfg.prefill_url}{path}"
         limits = httpx.Timeout(timeout, connect=min(self.cfg.connect_timeout_s, timeout))
+        # httpx's timeouts bound each read, not the answer: a host that trickles a byte at a time
+        # would hold the request (and its bridge slot) for ever. The whole answer has `timeout`.
+        deadline = time.monotonic() + timeout
         try:
             if body is None:
-                resp = self._client.get(url, timeout=limits)
+                req = self._client.build_request("GET", url, timeout=limits)
             else:
-                resp = self._client.post(url, content=json.dumps(body).encode(), timeout=limits)
+                req = self._client.build_request("POST", url, content=json.dumps(body).encode(), timeout=limits)
+            resp = self._client.send(req, stream=True)
+            try:
+                chunks, size = [], 0
+                for chunk in resp.iter_bytes():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if time.monotonic() > deadline:
+                        raise PrefillUnavailable(f"{url} is unreachable: timed out: the answer took longer than {timeout:g}s")
+                    if size > _MAX_ANSWER_BYTES:
+                        raise PrefillUnavailable(f"{url} answered more than {_MAX_ANSWER_BYTES} bytes")
+            finally:
+                resp.close()
+            raw = b"".join(chunks)
         except httpx.TimeoutException as e:
             phase = next((f" {what}" for cls, what in _TIMEOUT_PHASE.items() if isinstance(e, cls)), "")
             secs = limits.connect if isinstance(e, httpx.ConnectTimeout) else timeout
@@ -164,14 +185,16 @@ class PrefillHost:
         except httpx.HTTPError as e:  # refused, reset, closed without an answer, DNS, bad URL
             raise PrefillUnavailable(f"{url} is unreachable: {str(e) or type(e).__name__}") from None
         if resp.status_code >= 400:
-            raise PrefillUnavailable(f"{url} answered HTTP {resp.status_code}: {resp.text[:300]}")
-        raw = resp.content
+            raise PrefillUnavailable(f"{url} answered HTTP {resp.status_code}: {raw[:300].decode('utf-8', 'replace')}")
         if not raw.strip():
             return {}
         try:
-            return json.loads(raw)
+            got = json.loads(raw)
         except ValueError:
             raise PrefillUnavailable(f"{url} answered something that is not JSON: {raw[:200]!r}") from None
+        if not isinstance(got, dict):
+            raise PrefillUnavailable(f"{url} answered JSON that is not an object: {raw[:200]!r}")
+        return got
 
     def check_health(self) -> None:
         self._request("/health", None, timeout=3.0)
@@ -179,9 +202,10 @@ class PrefillHost:
     def model(self) -> str:
         if self._model is None:
             models = self._request("/v1/models", None, timeout=5.0).get("data") or []
-            if not models:
+            first = models[0] if isinstance(models, list) and models else None
+            if not isinstance(first, dict) or not isinstance(first.get("id"), str):
                 raise PrefillUnavailable(f"{self.cfg.prefill_url}/v1/models lists no model")
-            self._model = models[0]["id"]
+            self._model = first["id"]
         return self._model
 
     def version(self) -> str:
@@ -309,7 +333,13 @@ class Bridge:
         those ids, so the blocks and its prefix lookup agree by construction. Never raises: any
         failure is a verdict, and oMLX then prefills natively. The verdict's reason names no
         peer address (``public_reason``); the log has the full text."""
-        verdict, nbytes, ids = await self._prepare(engine_core, prompt, request_id, multimodal)
+        try:
+            verdict, nbytes, ids = await self._prepare(engine_core, prompt, request_id, multimodal)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not fail the request: oMLX prefills natively
+            logger.exception("pd-bridge[%s]: bridge error", request_id)
+            verdict, nbytes, ids = native(f"bridge error: {type(e).__name__}: {e}", request_id), 0, None
         public = self._public(verdict.reason)
         if public != verdict.reason:
             logger.info("pd-bridge[%s]: %s: %s", request_id, verdict.kind, verdict.reason)
@@ -361,11 +391,14 @@ class Bridge:
             fingerprint = await self._fingerprint(weights_dir, slot)
         except Exception as e:
             return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0, ids
+        probe = _PROBE_S + cfg.connect_timeout_s
         try:
-            await self._io(slot, self.host.check_health)
-            await self._io(slot, self.host.model)
+            await asyncio.wait_for(self._io(slot, self.host.check_health), probe)
+            await asyncio.wait_for(self._io(slot, self.host.model), probe)
         except PrefillUnavailable as e:
             return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0, ids
+        except asyncio.TimeoutError:
+            return Verdict("declined", f"prefill host unhealthy: its health check and model list did not answer within {probe:g}s", request_id=request_id), 0, ids
         t_decided = time.perf_counter()
         verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir, held=cached)
         verdict.phases["decide"] = t_decided - t0
@@ -418,16 +451,27 @@ class Bridge:
 
         def on_block(index: int) -> None:
             nonlocal nbytes
-            if control.cancelled or problems or index != first + len(registered):
-                return  # only an unbroken chain from the first block streamed is useful
+            if control.cancelled or problems:
+                return
+            if index != first + len(registered):
+                # Only an unbroken chain from the first block streamed is useful: stop the rest.
+                problems.append(f"block {index} arrived where block {first + len(registered)} was due")
+                control.cancel()
+                return
             h = writer.hash_hex(index)
             path = cache_dir / h[0] / f"{h}.safetensors"
             try:
                 with index_lock:
                     size = register_block(ssd, path, model_name, block_size)
             except (BlockRejected, OSError) as e:
+                # oMLX would not serve this block (nor so the ones after it): stop the stream, and
+                # take the file off the disk, where oMLX's index would never count or evict it.
                 problems.append(f"block {index} not registered: {e}")
-                logger.warning("pd-bridge[%s]: %s", request_id, problems[-1])
+                logger.warning("pd-bridge[%s]: %s; stopping the stream", request_id, problems[-1])
+                control.cancel()
+                with index_lock:
+                    if not ssd._index.contains(bytes.fromhex(h)):
+                        path.unlink(missing_ok=True)
                 return
             nbytes += size or 0
             registered.append(index)
@@ -470,7 +514,9 @@ class Bridge:
         try:
             _, seal_json = await stream
             seal = json.loads(seal_json)
-        except PdBridgeError as e:
+            if not isinstance(seal, dict):
+                raise PdBridgeError(f"the seal is not an object: {seal_json[:200]}")
+        except Exception as e:  # a refused stream, or the disk (OSError): what was registered stays
             stream_error = str(e.args[0]) if e.args else str(e)
         t_seal = time.perf_counter()
         if http.done() and t_http is None:
@@ -490,8 +536,9 @@ class Bridge:
             await asyncio.wait({http}, timeout=_WAIT_FOR_PREFILL_ANSWER_S)
         if http.done() and not http.cancelled() and http.exception() is None:
             # What vLLM took from its own prefix cache (the connector reports it at the finish).
-            got = ((http.result() or {}).get("kv_transfer_params") or {}).get("pd_capture") or {}
-            if isinstance(got.get("prompt_cached_tokens"), int):
+            params = http.result().get("kv_transfer_params")
+            got = params.get("pd_capture") if isinstance(params, dict) else None
+            if isinstance(got, dict) and isinstance(got.get("prompt_cached_tokens"), int):
                 vllm_cached = got["prompt_cached_tokens"]
         extra = {"resumed_at": resumed_at, "not_resumed": not_resumed, "vllm_cached": vllm_cached}
         if seal is not None and seal.get("verdict") == "complete" and blocks == new_blocks and not problems:
@@ -510,7 +557,8 @@ class Bridge:
             if http_error and (stream_error or seal is None or seal.get("verdict") != "complete"):
                 why = f"{why}; prefill request: {http_error}"
             kind = "partial" if blocks else "declined"
-            v = Verdict(kind, why, blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size if blocks else 0, request_id=request_id, phases=phases, **extra)
+            # Verdicts go to every client: the cache directory's path stays in the log.
+            v = Verdict(kind, why.replace(str(cache_dir), "<cache>"), blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size if blocks else 0, request_id=request_id, phases=phases, **extra)
         v.ready_unix = ready_unix
         logger.info("pd-bridge[%s]: %s (prefill %.3fs, after prefill %.3fs, %d bytes)", request_id, v.header(), phases["prefill"], phases["after_prefill"], nbytes)
         return v, nbytes

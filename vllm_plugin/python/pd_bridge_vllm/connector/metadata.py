@@ -32,8 +32,17 @@ def check_engine_settings(vllm_config) -> None:
     vLLM's prefix cache may stay on (issue 13): a captured request's prefix-cache hit is capped at
     the block boundary its capture starts from (``prefix_cap.py``), so every row the capture needs
     is computed; a hit that still reached past it would seal the capture aborted, never complete.
+
+    Pipeline parallelism splits the layers over stages (no one worker sees every layer's input),
+    and data parallelism starts one engine per rank, each binding the same segment port: both
+    are refused here, naming the setting, rather than failing later at a bind or sealing every
+    capture aborted.
     """
-    return
+    pc = getattr(vllm_config, "parallel_config", None)
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
+        n = int(getattr(pc, name, 1) or 1)
+        if n > 1:
+            raise ValueError(f"PdBridgeConnector: {name}={n} is not supported (tensor parallelism is: TP rank 0 captures); run the prefill host with {name}=1")
 
 
 def setting(extra: dict, key: str, env: str, default=None):

@@ -105,8 +105,10 @@ class PdBridgeConnectorWorker:
         self._server = SegmentServer(
             f"[{address}]:{int(port)}" if ":" in address else f"{address}:{int(port)}",
             tok,
+            idle_seconds=float(setting(extra, "segment_idle_s", "PD_BRIDGE_VLLM_SEGMENT_IDLE_S", 60.0)),
             max_connections=int(setting(extra, "max_connections", "PD_BRIDGE_VLLM_MAX_CONNECTIONS", 64)),
             grace_seconds=float(setting(extra, "capture_grace_s", "PD_BRIDGE_VLLM_CAPTURE_GRACE_S", 30.0)),
+            pull_timeout_seconds=float(setting(extra, "capture_pull_timeout_s", "PD_BRIDGE_VLLM_CAPTURE_PULL_TIMEOUT_S", 120.0)),
             memory_bytes=int(float(setting(extra, "capture_memory_mb", "PD_BRIDGE_VLLM_CAPTURE_MEMORY_MB", 1024)) * (1 << 20)),
         )
         self._tap_ok = tap.installed() or tap.v4_installed()
@@ -335,8 +337,11 @@ class PdBridgeConnectorWorker:
 
     def _record(self, wc: _WorkerCapture, verdict: dict, latency: float | None) -> None:
         nbytes = int(getattr(wc.capture, "segment_bytes", 0) or 0) if wc.capture is not None else 0
+        # A resumed capture's seal counts the blocks the decode host already held; shipped are the rest.
+        resumed_at = int(getattr(wc.capture, "resumed_at", 0) or 0) if wc.capture is not None else 0
+        shipped = max(0, int(verdict.get("blocks") or 0) - resumed_at // max(1, wc.spec.block_size))
         with self._lock:
-            self._stats.record_seal(str(verdict.get("verdict")), int(verdict.get("blocks") or 0), nbytes, latency)
+            self._stats.record_seal(str(verdict.get("verdict")), shipped, nbytes, latency)
 
     def get_kv_connector_stats(self) -> PdBridgeKVConnectorStats | None:
         """The seals recorded since the last call (None when there were none)."""
