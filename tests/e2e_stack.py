@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 import omlx_server  # noqa: E402
 
 TOKEN = "e2e-shared-secret"
+API_KEY = "e2e-vllm-api-key"  # vLLM's --api-key where a test starts vLLM with one
 
 
 def prefill_python() -> str | None:
@@ -99,6 +100,7 @@ class VllmServer:
     segments_port: int
     process: subprocess.Popen
     log_path: Path
+    api_key: str | None = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -106,9 +108,11 @@ class VllmServer:
 
 @contextlib.contextmanager
 def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeout: float = 600.0,
-                prefix_caching: bool = False, port: int | None = None, segments_port: int | None = None):  # fmt: skip
+                prefix_caching: bool = False, port: int | None = None, segments_port: int | None = None,
+                api_key: str | None = None):  # fmt: skip
     """``vllm serve`` for the tiny model with the pd-bridge connector, on loopback (``port`` /
-    ``segments_port``: a restart on the ports a bridged oMLX already points at)."""
+    ``segments_port``: a restart on the ports a bridged oMLX already points at; ``api_key``:
+    vLLM's ``--api-key``, which bridged oMLX servers are then given)."""
     py = prefill_python()
     port, seg_port = port or omlx_server.free_port(), segments_port or omlx_server.free_port()
     kv = {
@@ -125,6 +129,7 @@ def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeou
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--skip-tokenizer-init",
         "--max-model-len", "32768", "--max-num-batched-tokens", str(max_batched_tokens), "--max-num-seqs", "8",
         "--kv-transfer-config", json.dumps(kv),
+        *(["--api-key", api_key] if api_key else []),
     ]  # fmt: skip
     env = dict(os.environ, PD_BRIDGE_VLLM="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.pop("PD_BRIDGE_OMLX", None)
@@ -132,7 +137,7 @@ def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeou
     log_path = work / f"vllm-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(work))
-    server = VllmServer(f"http://127.0.0.1:{port}", port, seg_port, proc, log_path)
+    server = VllmServer(f"http://127.0.0.1:{port}", port, seg_port, proc, log_path, api_key)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -163,8 +168,9 @@ def kill(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 20.0)
         proc.wait(timeout=grace)
 
 
-def bridge_env(prefill_url: str, segments_port: int, **overrides) -> dict[str, str]:
+def bridge_env(prefill_url: str, segments_port: int, api_key: str | None = None, **overrides) -> dict[str, str]:
     env = {
+        **({"PD_BRIDGE_PREFILL_API_KEY": api_key} if api_key else {}),
         "PD_BRIDGE_OMLX": "1",
         "PD_BRIDGE_PREFILL_URL": prefill_url,
         "PD_BRIDGE_SEGMENTS": f"127.0.0.1:{segments_port}",
@@ -181,7 +187,7 @@ def bridge_env(prefill_url: str, segments_port: int, **overrides) -> dict[str, s
 @contextlib.contextmanager
 def omlx_bridged(model: Model, work: Path, vllm: VllmServer | None, **overrides):
     """``omlx serve`` with the bridge on (``vllm`` None: bridge env unset, i.e. plain oMLX)."""
-    env = bridge_env(vllm.url, vllm.segments_port, **overrides) if vllm is not None else {}
+    env = bridge_env(vllm.url, vllm.segments_port, vllm.api_key, **overrides) if vllm is not None else {}
     if vllm is None:
         env.update({k: str(v) for k, v in overrides.items()})
     cache = work / f"cache-{omlx_server.free_port()}"

@@ -55,8 +55,9 @@ def model(work):
 
 @pytest.fixture(scope="module")
 def vllm(model, work):
-    # 512-token prefill steps: segments stream while vLLM is still prefilling.
-    with E.vllm_server(model, work, max_batched_tokens=512) as server:
+    # 512-token prefill steps: segments stream while vLLM is still prefilling. vLLM guards its
+    # API with a key, as a prefill host reachable from a network should: the bridge sends it.
+    with E.vllm_server(model, work, max_batched_tokens=512, api_key=E.API_KEY) as server:
         yield server
 
 
@@ -137,6 +138,25 @@ def test_cold_long_prompt_is_bridged_complete(model, bridged, native):
     assert_all_blocks_valid(bridged)
 
 
+def test_vllm_guards_its_api_and_a_wrong_key_is_declined(model, work, vllm):
+    """The module's vLLM runs with ``--api-key`` (so every bridge above went through it with the
+    key): without the key vLLM refuses, and a decode host holding the wrong one is declined
+    naming the HTTP status, writes nothing and answers natively."""
+    import urllib.error
+
+    body = {"model": "tiny-mla", "prompt": [1, 2, 3], "max_tokens": 1}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        E.post(f"{vllm.url}/v1/completions", body, timeout=60)
+    assert refused.value.code == 401
+    with E.omlx_bridged(model, work, vllm, PD_BRIDGE_PREFILL_API_KEY="not-the-key") as server:
+        prompt = E.text_of_tokens(model, LONG, seed=41)
+        resp, headers, _ = E.completion(server, prompt, max_tokens=ANSWER_TOKENS)
+        verdict = headers["x-pd-bridge"]
+        assert verdict.startswith('declined; reason="prefill host unhealthy: ') and "HTTP 401" in verdict, verdict
+        assert E.cached_tokens(resp) == 0 and answer(resp)
+        assert status(server)["counters"]["bytes_written"] == 0
+
+
 def test_repeated_prompt_is_native_with_a_cache_hit(model, bridged):
     prompt, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=11)
     resp, headers, _ = E.completion(bridged, prompt, max_tokens=ANSWER_TOKENS)
@@ -214,7 +234,7 @@ def test_concurrent_bridges_while_health_answers(model, bridged):
 
 
 def test_doctor_checks_every_link(model, vllm, bridged):
-    env = {**os.environ, **E.bridge_env(vllm.url, vllm.segments_port)}
+    env = {**os.environ, **E.bridge_env(vllm.url, vllm.segments_port, vllm.api_key)}
     ok = subprocess.run([*E._pd_bridge_cli(), "doctor", "--model-dir", str(model.omlx_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "round trip: 1 block of 256 tokens" in ok.stdout and "all links ok" in ok.stdout

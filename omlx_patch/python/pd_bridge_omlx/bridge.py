@@ -147,7 +147,11 @@ class PrefillHost:
         self._client = httpx.Client(
             limits=_POOL_LIMITS,
             timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
-            headers={"Content-Type": "application/json", "User-Agent": "pd-bridge-omlx"},
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": "pd-bridge-omlx",
+                **({"Authorization": f"Bearer {cfg.prefill_api_key}"} if cfg.prefill_api_key else {}),
+            },
             follow_redirects=True,
         )
 

@@ -41,6 +41,8 @@ class BridgeConfig:
     #: they end, however stalled the prefill host is); a prompt past the cap is declined and
     #: served natively at once.
     max_bridges: int = 4
+    #: vLLM's ``--api-key``, sent as ``Authorization: Bearer`` (vLLM guards its ``/v1`` routes).
+    prefill_api_key: str | None = None
 
 
 def _int(env, name: str, default: int, minimum: int = 0) -> int:
@@ -115,4 +117,5 @@ def from_env(env=None) -> BridgeConfig | None:
         weights_dir=env.get("PD_BRIDGE_WEIGHTS", "").strip() or None,
         connect_timeout_s=_float(env, "PD_BRIDGE_CONNECT_TIMEOUT_S", 5.0),
         max_bridges=_int(env, "PD_BRIDGE_MAX_BRIDGES", 4, minimum=1),
+        prefill_api_key=env.get("PD_BRIDGE_PREFILL_API_KEY", "").strip() or None,
     )
