@@ -68,40 +68,33 @@ make_venv() { # name, requirements...
   fi
 }
 
-make_fork_venv() { # the fork from PyPI, its requirements less xgrammar, + the test tools
-  local venv=$STATE/venv-fork key
-  key=$(printf '%s\n' "$PYTHON" "$FORK_PACKAGE" "$(sha256sum tests/requirements-omlx-fork.txt)" "${TEST_REQS[@]}" | sha256sum | cut -c1-16)
+# An oMLX venv: a requirements file and the test tools, then with --no-deps the packages whose
+# metadata would drag in what serving never needs (oMLX itself last); rebuilt when any changes.
+make_omlx_venv() { # name, what identifies the oMLX, requirements file, its distribution, no-deps packages...
+  local name=$1 ident=$2 reqs=$3 dist=$4; shift 4
+  local venv=$STATE/venv-$name key
+  key=$(printf '%s\n' "$PYTHON" "$ident" "$(sha256sum "$reqs")" "${TEST_REQS[@]}" | sha256sum | cut -c1-16)
   if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
-    log "creating the fork venv with $FORK_PACKAGE ($venv)"
+    log "creating the $name venv with $dist, from $*, ($venv)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
     pip_in "$venv" install -q --upgrade pip
-    pip_in "$venv" install -q -r tests/requirements-omlx-fork.txt "${TEST_REQS[@]}"
-    pip_in "$venv" install -q --no-deps "$FORK_PACKAGE"
-    "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('fork omlx', m.version('flyto-mlx'), 'imports ok')" >&2
+    pip_in "$venv" install -q -r "$reqs" "${TEST_REQS[@]}"
+    pip_in "$venv" install -q --no-deps "$@"
+    "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('$dist', m.version('$dist'), 'imports ok')" >&2
     echo "$key" >"$venv/.pd-stamp"
   fi
 }
 
-make_upstream_omlx_venv() { # name: upstream oMLX from PD_BRIDGE_OMLX_SOURCE + the test tools
-  local venv=$STATE/venv-$1 src=$PD_BRIDGE_OMLX_SOURCE ident key
+# Upstream oMLX from PD_BRIDGE_OMLX_SOURCE; mlx-vlm and mlx-embeddings are git pins upstream whose
+# PyPI metadata would drag in audio/opencv/datasets; dflash-mlx (jundot's fork, not on PyPI) is
+# only for DFlash speculative decoding and is left out.
+make_upstream_omlx_venv() { # name
+  local src=$PD_BRIDGE_OMLX_SOURCE ident
   if [ -f "$src" ]; then ident=$(sha256sum "$src" | cut -c1-16)
   elif [ -d "$src" ]; then ident=$(cd "$src" && find . -type f -printf '%P %s %T@\n' | sort | sha256sum | cut -c1-16)
   else ident=$src; fi
-  key=$(printf '%s\n' "$PYTHON" "$ident" "$(sha256sum tests/requirements-omlx-upstream.txt)" "${TEST_REQS[@]}" | sha256sum | cut -c1-16)
-  if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
-    log "creating the $1 venv with upstream oMLX from $src ($venv)"
-    rm -rf "$venv"
-    "$PYTHON" -m venv "$venv"
-    pip_in "$venv" install -q --upgrade pip
-    pip_in "$venv" install -q -r tests/requirements-omlx-upstream.txt "${TEST_REQS[@]}"
-    # git-pinned upstream libraries whose metadata would drag in audio/opencv/datasets: no deps
-    pip_in "$venv" install -q --no-deps mlx-vlm==0.6.4 mlx-embeddings==0.1.0
-    # oMLX itself; dflash-mlx (jundot's fork, not on PyPI) is only for DFlash speculative decoding
-    pip_in "$venv" install -q --no-deps "$src"
-    "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('upstream omlx', m.version('omlx'), 'imports ok')" >&2
-    echo "$key" >"$venv/.pd-stamp"
-  fi
+  make_omlx_venv "$1" "$ident" tests/requirements-omlx-upstream.txt omlx mlx-vlm==0.6.4 mlx-embeddings==0.1.0 "$src"
 }
 
 ensure_rust() {
@@ -162,7 +155,7 @@ setup() {
   install_vllm
   local decode_venvs=(decode)
   if [ "${1:-}" = test ]; then
-    make_fork_venv
+    make_omlx_venv fork "$FORK_PACKAGE" tests/requirements-omlx-fork.txt flyto-mlx "$FORK_PACKAGE"
     decode_venvs+=(fork)
   fi
   # The prefill venv gets the oMLX wheel too: its engine tests pull segments end to end.
