@@ -343,7 +343,8 @@ class Bridge:
             raise
         except Exception as e:  # a bug here must not fail the request: oMLX prefills natively
             logger.exception("pd-bridge[%s]: bridge error", request_id)
-            verdict, nbytes, ids = native(f"bridge error: {type(e).__name__}: {e}", request_id), 0, None
+            # Only the class goes to the client (the text may name local paths); the log has it.
+            verdict, nbytes, ids = native(f"bridge error: {type(e).__name__}", request_id), 0, None
         public = self._public(verdict.reason)
         if public != verdict.reason:
             logger.info("pd-bridge[%s]: %s: %s", request_id, verdict.kind, verdict.reason)
