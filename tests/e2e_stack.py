@@ -187,7 +187,7 @@ def bridge_env(prefill_url: str, segments_port: int, api_key: str | None = None,
 @contextlib.contextmanager
 def omlx_bridged(model: Model, work: Path, vllm: VllmServer | None, **overrides):
     """``omlx serve`` with the bridge on (``vllm`` None: bridge env unset, i.e. plain oMLX)."""
-    env = bridge_env(vllm.url, vllm.segments_port, vllm.api_key, **overrides) if vllm is not None else {}
+    env = bridge_env(vllm.url, vllm.segments_port, getattr(vllm, "api_key", None), **overrides) if vllm is not None else {}
     if vllm is None:
         env.update({k: str(v) for k, v in overrides.items()})
     cache = work / f"cache-{omlx_server.free_port()}"
