@@ -216,8 +216,6 @@ fn main() {
         }
     }
     println!();
-    // Upstream oMLX's format on the GPU is opt-in in the capture; the benchmark measures it too.
-    std::env::set_var("PD_BRIDGE_GPU_UPSTREAM", "1");
     println!("| chunk | end to end, fork blocks (capture + D2H + segments) | % roofline | end to end, upstream blocks | % roofline | kernels only | % roofline | GEMMs alone | kernels, exact GEMM | eager torch | roofline |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut notes = vec![];

@@ -19,9 +19,9 @@ as a Mac would. Printed per run and summarised in ``OUT/bench.json``:
   is the target: the capture holds one block per layer, not the prompt);
 - bytes per token shipped (``vllm:pd_bridge_bytes`` per captured token).
 
-The capture uses the fork's block format (``fork-0.7.0``) unless ``--omlx-format`` says otherwise:
-that is the format the GPU kernels pool; the upstream format's pooling runs on the host. Blocks
-are ``--block-size`` tokens (default 2,048, the decoder stepping that many tokens per call): the
+The capture writes upstream oMLX 0.6.3's block format (``upstream-0.6.3``, what Mac users run;
+pooled on the GPU like the fork's) unless ``--omlx-format`` says otherwise. Blocks are
+``--block-size`` tokens (default 2,048, the decoder stepping that many tokens per call): the
 fork's blocks hold the whole pool so far, and at 512 a 131,072-token prompt makes the decode
 host's client write ~90 GB and fall behind, which is not what is measured here.
 """
@@ -164,7 +164,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--omlx-format", default="fork-0.7.0")
+    ap.add_argument("--omlx-format", default="upstream-0.6.3")
     ap.add_argument("--block-size", type=int, default=2048)
     ap.add_argument("--engine", metavar="WORK", help=argparse.SUPPRESS)
     a = ap.parse_args()

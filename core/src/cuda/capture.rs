@@ -1,18 +1,24 @@
-//! The capture engine's GPU backend: a [`GpuCache`] in streaming mode whose outputs are copied
-//! device-to-host straight into the segments they belong to.
+//! The capture engine's GPU backend: a [`GpuCache`] in streaming mode whose outputs are gathered
+//! on the device into the segments they belong to, each segment then copied to the host whole.
 //!
 //! Each block's segment is planned by the capture's [`SegmentPlan`] (the same plan the CPU path
-//! fills) and gets one page-locked body, leased from the device's pool and reused across blocks
-//! and requests. Per feed (on the caller's thread, never waiting for the device unless too many
-//! blocks are in flight, below): the chunk is queued on the cache's side stream after the
-//! producer's stream; once the layer's kernels ran, a copy stream copies exactly the rows each
-//! open block needs from this chunk (its window rows, window lookback included; its new pool
-//! rows; its MLA rows) to their places in the block bodies, and records a completion event.
-//! [`GpuCapture::poll`] queries those events; a block whose every layer is copied up to its end
-//! becomes a [`Segment`] over its body as it lies: no host copy of any row, no per-array buffer.
+//! fills). Per feed (on the caller's thread, never waiting for the device unless too many blocks
+//! are in flight, below): the chunk is queued on the layer's post stream after the producer's
+//! stream; right behind its kernels, on that stream, one `copy_rows` launch per open block
+//! gathers exactly the rows the block needs from this chunk (its window rows, window lookback
+//! included; its new pool rows; its MLA rows; a previous window's columns) to their places in the
+//! block's device staging body. Once every layer has been fed to a block's end, one copy stream
+//! waits for the post streams and copies the whole body into a page-locked buffer, then records
+//! the block's completion event. [`GpuCapture::poll`] queries those events; a completed block
+//! becomes a [`Segment`] over its page-locked body as it lies: no host copy of any row.
 //!
-//! Host memory is a few blocks' bodies (the chunk's blocks plus those still in flight); device
-//! memory a chunk's outputs per layer. Nothing accumulates with the prompt's length.
+//! Why gather first: a block's rows come from ~4 arrays per layer, so copying them straight to
+//! the host took ~190 small copies per block (6,048 per 65,536 tokens of Flash, 2,688 of them
+//! strided), each a driver call on the feeding thread and a fixed cost on the copy engine.
+//!
+//! Host and device memory are a few blocks' bodies (the chunk's blocks plus those in flight),
+//! both from per-device pools reused across blocks and requests, and a chunk's outputs per layer
+//! on the device. Nothing accumulates with the prompt's length.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ffi::c_void;
@@ -21,7 +27,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use half::bf16;
 
-use super::dev::{ck, Event, PinnedLease, Stream};
+use super::dev::{ck, Args, Event, PinnedLease, StagingLease, Stream};
 use super::pooler::DevRows;
 use super::{DeviceTensor, GemmMode, GpuCache, GpuModel, WindowRows};
 use crate::error::{CoreError, Result};
@@ -30,16 +36,18 @@ use crate::pooler::DecoderSteps;
 use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
 
-/// A block whose segment body the device is copying into.
+/// A block whose body the post streams are gathering on the device.
 struct GpuBlock {
     plan: BlockPlan,
-    body: PinnedLease,
+    staging: StagingLease,
 }
 
-/// A feed whose copies are queued: done when `done` completes.
-struct Pending {
-    layer: usize,
-    end: usize,
+/// A block whose whole body is queued to the host: a segment once `done` completes.
+struct Copying {
+    plan: BlockPlan,
+    body: PinnedLease,
+    /// Held until the copy out of it completed.
+    _staging: StagingLease,
     done: Event,
 }
 
@@ -49,39 +57,52 @@ pub(crate) struct GpuCapture {
     blocks: usize,
     limit: usize,
     open: BTreeMap<usize, GpuBlock>,
-    pending: VecDeque<Pending>,
-    /// Per layer: tokens whose rows are copied into their blocks.
-    copied_upto: Vec<usize>,
-    /// The next block to hand out.
+    copying: VecDeque<Copying>,
+    /// Per layer: tokens whose rows are queued into their blocks' staging bodies.
+    fed_upto: Vec<usize>,
+    /// The next block to copy to the host.
     next: usize,
     ready: Vec<Segment>,
-    /// One copy stream per post stream: the copies of a layer follow its kernels (an event) without
-    /// holding up the next layers' kernels on that post stream.
-    copy: Vec<Stream>,
-    /// Per layer: recorded after its last copies; its next feed waits for it before overwriting
-    /// the outputs they read.
-    copied: Vec<Event>,
-    /// Per layer: recorded after its kernels; its copies wait for it.
-    computed: Vec<Event>,
+    /// Copies finished bodies to the host, after the post streams' gathers (`gathered`).
+    copy: Stream,
+    gathered: Vec<Event>,
     spare_events: Vec<Event>,
-    /// Open blocks beyond which a feed first waits for queued copies (set by the first feed).
+    /// Blocks in flight beyond which a feed first waits for queued copies (set by the first feed).
     max_open: usize,
 }
 
-// SAFETY: as for GpuCache; the pinned bodies are only touched through `&mut self` until their
-// copies completed, then only read.
+// SAFETY: as for GpuCache; the staging and pinned bodies are only touched through `&mut self`
+// until their copies completed, then the pinned one is only read.
 unsafe impl Send for GpuCapture {}
 unsafe impl Sync for GpuCapture {}
 
 impl Drop for GpuCapture {
     fn drop(&mut self) {
-        // Copies may still be writing into leased bodies: let them finish before the bodies go
-        // back to the pool.
-        let _ = self.cache.model.dev.bind();
-        for s in &self.copy {
-            let _ = s.sync();
-        }
+        // Gathers and copies may still be writing into leased bodies: let them finish before the
+        // bodies go back to their pools.
+        let _ = self.cache.synchronize();
+        let _ = self.copy.sync();
     }
+}
+
+/// Row runs one `copy_rows` launch takes (its parameter struct, kernels.cu).
+const COPIES_PER_LAUNCH: usize = 16;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RowCopyArg {
+    src: u64,
+    src_stride: i64,
+    dst: i64,
+    rows: i32,
+    width: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RowCopiesArg {
+    c: [RowCopyArg; COPIES_PER_LAUNCH],
+    n: i32,
 }
 
 impl GpuCapture {
@@ -101,18 +122,17 @@ impl GpuCapture {
         let mut cache = GpuCache::new(model, steps, GemmMode::from_env())?;
         cache.window_rows = WindowRows::All;
         let n = plan.num_layers();
-        let nposts = (0..n).map(|l| cache.post_of(l)).max().map_or(1, |m| m + 1);
+        let nposts = cache.post_streams().len();
         Ok(Some(GpuCapture {
-            copy: (0..nposts).map(|_| Stream::new()).collect::<Result<_>>()?,
-            copied: (0..n).map(|_| Event::new()).collect::<Result<_>>()?,
-            computed: (0..n).map(|_| Event::new()).collect::<Result<_>>()?,
+            copy: Stream::new()?,
+            gathered: (0..nposts).map(|_| Event::new()).collect::<Result<_>>()?,
             cache,
             plan,
             blocks,
             limit: blocks * bs,
             open: BTreeMap::new(),
-            pending: VecDeque::new(),
-            copied_upto: vec![0; n],
+            copying: VecDeque::new(),
+            fed_upto: vec![0; n],
             next: 0,
             ready: vec![],
             spare_events: vec![],
@@ -125,9 +145,9 @@ impl GpuCapture {
         self.cache.stream_handle()
     }
 
-    /// Feeds queued whose copies have not been seen complete yet.
+    /// Blocks with device work queued whose segments are not out yet.
     pub fn pending(&self) -> usize {
-        self.pending.len()
+        self.open.len() + self.copying.len()
     }
 
     /// Queue `t`'s rows for `layer` (tokens from `start`; rows past the last full block are
@@ -152,104 +172,96 @@ impl GpuCapture {
             self.max_open = std::env::var("PD_BRIDGE_GPU_OPEN_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2 * (rows.div_ceil(bs) + 2)).max(2);
         }
         self.cache.model.dev.bind()?;
-        let post = self.cache.post_stream(layer);
-        // The copies of this layer's previous chunk read the buffers this feed overwrites.
-        ck("ordering after the copies", unsafe { sys::cuStreamWaitEvent(post, self.copied[layer].0, 0) })?;
         let t = DeviceTensor { nbytes: (end - start) * hidden * 2, ..*t };
         self.cache.feed_device(layer, start, &t)?;
         let outs = self.cache.chunk_outputs(layer);
-        let cs = self.copy[self.cache.post_of(layer)].0;
-        self.computed[layer].record(post)?;
-        ck("ordering the copies", unsafe { sys::cuStreamWaitEvent(cs, self.computed[layer].0, 0) })?;
+        // Behind the layer's kernels on its post stream: its next feed, which overwrites these
+        // outputs, is queued on the same stream after the gathers.
+        let post = self.cache.post_stream(layer);
         let touched: Vec<usize> = blocks_of_feed(&self.plan, self.blocks, layer, start, end).collect();
         for k in touched {
             if !self.open.contains_key(&k) {
                 self.make_room()?;
                 let bp = self.plan.block(k);
-                let body = PinnedLease::take(&self.cache.model.dev, bp.values)?;
-                self.open.insert(k, GpuBlock { plan: bp, body });
+                let staging = StagingLease::take(&self.cache.model.dev, bp.values * 2)?;
+                self.open.insert(k, GpuBlock { plan: bp, staging });
             }
             let b = &self.open[&k];
-            for c in row_copies(&b.plan, layer, &outs)? {
-                // SAFETY: the destination lies inside the leased body (the plan sized it); it is
-                // read only after the completion event recorded after this copy.
-                let dst = unsafe { b.body.ptr().add(c.dst * 2) };
-                if c.src_stride == c.width {
-                    ck("copying results to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, c.src, c.values() * 2, cs) })?;
-                } else {
-                    // Columns of wider rows (a previous window's kv or gate half).
-                    let m = sys::CUDA_MEMCPY2D {
-                        srcXInBytes: 0,
-                        srcY: 0,
-                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                        srcHost: std::ptr::null(),
-                        srcDevice: c.src,
-                        srcArray: std::ptr::null_mut(),
-                        srcPitch: c.src_stride * 2,
-                        dstXInBytes: 0,
-                        dstY: 0,
-                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-                        dstHost: dst as *mut c_void,
-                        dstDevice: 0,
-                        dstArray: std::ptr::null_mut(),
-                        dstPitch: c.width * 2,
-                        WidthInBytes: c.width * 2,
-                        Height: c.rows,
-                    };
-                    ck("copying results to the host", unsafe { sys::cuMemcpy2DAsync_v2(&m, cs) })?;
+            let copies = row_copies(&b.plan, layer, &outs)?;
+            for batch in copies.chunks(COPIES_PER_LAUNCH) {
+                let mut arg = RowCopiesArg { c: [RowCopyArg::default(); COPIES_PER_LAUNCH], n: batch.len() as i32 };
+                for (a, c) in arg.c.iter_mut().zip(batch) {
+                    *a = RowCopyArg { src: c.src, src_stride: c.src_stride as i64, dst: c.dst as i64, rows: c.rows as i32, width: c.width as i32 };
                 }
+                let most = batch.iter().map(RowCopy::values).max().unwrap_or(0);
+                let grid = most.div_ceil(256 * 4).clamp(1, 1024) as u32;
+                let mut args = Args::new().p(arg).p(b.staging.ptr());
+                self.cache.model.dev.launch("copy_rows", (grid, batch.len() as u32, 1), 256, post, &mut args.ptrs())?;
             }
         }
-        self.copied[layer].record(cs)?;
-        let done = match self.spare_events.pop() {
-            Some(e) => e,
-            None => Event::new()?,
-        };
-        done.record(cs)?;
-        self.pending.push_back(Pending { layer, end, done });
-        Ok(())
+        let upto = &mut self.fed_upto[layer];
+        *upto = (*upto).max(end);
+        self.queue_finished()
     }
 
-    /// Before opening another block: while `max_open` are open, wait for the oldest queued copies
-    /// (the engine is that far ahead of the device). Blocks that still need unqueued work do not
-    /// wait.
-    fn make_room(&mut self) -> Result<()> {
-        while self.open.len() >= self.max_open && !self.pending.is_empty() {
-            self.pending[0].done.wait()?;
-            self.take_in(false)?;
-        }
-        Ok(())
-    }
-
-    /// Note the feeds whose copies completed (waiting for all if `wait`); hand out the blocks
-    /// every layer has reached.
-    fn take_in(&mut self, wait: bool) -> Result<()> {
-        // In queue order (layers complete roughly in the order they were fed; one query per poll
-        // when nothing new finished).
-        while let Some(p) = self.pending.front() {
-            if wait {
-                p.done.wait()?;
-            } else if !p.done.done()? {
-                break;
-            }
-            let p = self.pending.pop_front().expect("front exists");
-            let upto = &mut self.copied_upto[p.layer];
-            *upto = (*upto).max(p.end);
-            self.spare_events.push(p.done);
-        }
-        let upto = self.copied_upto.iter().copied().min().unwrap_or(0);
+    /// Queue the host copy of every block whose every layer has been gathered to its end.
+    fn queue_finished(&mut self) -> Result<()> {
+        let upto = self.fed_upto.iter().copied().min().unwrap_or(0);
         let bs = self.plan.block_size();
+        if !(self.next < self.blocks && (self.next + 1) * bs <= upto) {
+            return Ok(());
+        }
+        let cs = self.copy.0;
+        for (ev, post) in self.gathered.iter().zip(self.cache.post_streams()) {
+            ev.record(post)?;
+            ck("ordering the copy after the gathers", unsafe { sys::cuStreamWaitEvent(cs, ev.0, 0) })?;
+        }
         while self.next < self.blocks && (self.next + 1) * bs <= upto {
-            let b = self.open.remove(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never copied", self.next)))?;
-            self.ready.push(self.plan.segment(&b.plan, Arc::new(b.body))?);
+            let b = self.open.remove(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never gathered", self.next)))?;
+            let body = PinnedLease::take(&self.cache.model.dev, b.plan.values)?;
+            // SAFETY: both bodies hold `values` bf16 values (the plan sized them); the pinned one
+            // is read only after `done`, recorded after this copy.
+            ck("copying a segment body to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(body.ptr() as *mut c_void, b.staging.ptr(), b.plan.values * 2, cs) })?;
+            let done = match self.spare_events.pop() {
+                Some(e) => e,
+                None => Event::new()?,
+            };
+            done.record(cs)?;
+            self.copying.push_back(Copying { plan: b.plan, body, _staging: b.staging, done });
             self.next += 1;
         }
         Ok(())
     }
 
-    /// The segments completed so far (waiting for every queued feed if `wait`), in block order.
+    /// Before opening another block: while `max_open` are in flight, wait for the oldest queued
+    /// copy (the engine is that far ahead of the device). Blocks still being gathered do not wait.
+    fn make_room(&mut self) -> Result<()> {
+        while self.open.len() + self.copying.len() >= self.max_open && !self.copying.is_empty() {
+            self.copying[0].done.wait()?;
+            self.take_in(false)?;
+        }
+        Ok(())
+    }
+
+    /// Hand out the blocks whose copies completed (waiting for all queued if `wait`), in block
+    /// order.
+    fn take_in(&mut self, wait: bool) -> Result<()> {
+        while let Some(c) = self.copying.front() {
+            if wait {
+                c.done.wait()?;
+            } else if !c.done.done()? {
+                break;
+            }
+            let c = self.copying.pop_front().expect("front exists");
+            self.spare_events.push(c.done);
+            self.ready.push(self.plan.segment(&c.plan, Arc::new(c.body))?);
+        }
+        Ok(())
+    }
+
+    /// The segments completed so far (waiting for every queued copy if `wait`), in block order.
     pub fn poll(&mut self, wait: bool) -> Result<Vec<Segment>> {
-        if !self.pending.is_empty() {
+        if !self.copying.is_empty() {
             self.cache.model.dev.bind()?;
             self.take_in(wait)?;
         }
@@ -264,8 +276,8 @@ fn blocks_of_feed(plan: &SegmentPlan, blocks: usize, layer: usize, start: usize,
     (start / plan.block_size()..blocks).take_while(move |&k| plan.first_token(k, layer) < end)
 }
 
-/// One device-to-host copy into a block's body: `rows` rows of `width` bf16 values from device
-/// address `src` (rows `src_stride` values apart) to offset `dst` (in values), packed.
+/// One run of rows into a block's body: `rows` rows of `width` bf16 values from device address
+/// `src` (rows `src_stride` values apart) to offset `dst` (in values), packed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct RowCopy {
     src: u64,

@@ -22,7 +22,7 @@ pub(crate) fn ck(what: &str, r: sys::CUresult) -> Result<()> {
 }
 
 const SRC: &str = include_str!("kernels.cu");
-const KERNELS: [&str; 5] = ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows"];
+const KERNELS: [&str; 6] = ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows", "copy_rows"];
 
 /// Whether a CUDA driver with at least one device can be loaded here.
 pub fn cuda_available() -> bool {
@@ -39,6 +39,8 @@ pub struct GpuDevice {
     pub name: String,
     /// Page-locked host buffers not leased out (see [`PinnedLease`]).
     pinned: Mutex<Vec<Pinned>>,
+    /// Device staging bodies not leased out (see [`StagingLease`]).
+    staging: Mutex<Vec<DevMem>>,
 }
 
 // SAFETY: CUmodule/CUfunction handles are process-wide and usable from any thread once the
@@ -104,6 +106,7 @@ impl GpuDevice {
             ordinal,
             name,
             pinned: Mutex::new(Vec::new()),
+            staging: Mutex::new(Vec::new()),
         })
     }
 
@@ -449,5 +452,81 @@ impl Args {
     }
     pub fn ptrs(&mut self) -> Vec<*mut c_void> {
         self.0.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect()
+    }
+}
+
+/// A plain (not stream-ordered) device allocation: a staging body is written on several streams
+/// and read on a copy stream, so it must not belong to one stream's pool.
+pub(crate) struct DevMem {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+}
+
+unsafe impl Send for DevMem {}
+unsafe impl Sync for DevMem {}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Idle staging memory a device keeps for reuse (allocating and freeing device memory
+/// synchronises the device).
+const STAGING_IDLE_MAX: usize = 2 << 30;
+
+/// A device buffer leased from a device's pool: a block's segment body gathered on the device,
+/// then copied to the host in one piece. Back to the pool when dropped; the holder drops it only
+/// after the work that uses it completed.
+pub(crate) struct StagingLease {
+    dev: Arc<GpuDevice>,
+    buf: Option<DevMem>,
+}
+
+unsafe impl Send for StagingLease {}
+unsafe impl Sync for StagingLease {}
+
+impl StagingLease {
+    /// At least `bytes`: the smallest idle buffer that holds them and is at most twice as large,
+    /// else a new one (rounded up to 2 MiB). The device's context must be bound.
+    pub fn take(dev: &Arc<GpuDevice>, bytes: usize) -> Result<Self> {
+        let bytes = bytes.max(1);
+        let found = {
+            let mut idle = dev.staging.lock().unwrap_or_else(|p| p.into_inner());
+            let best = idle.iter().enumerate().filter(|(_, b)| b.bytes >= bytes && b.bytes <= 2 * bytes.max(1 << 21)).min_by_key(|(_, b)| b.bytes).map(|(i, _)| i);
+            best.map(|i| idle.swap_remove(i))
+        };
+        let buf = match found {
+            Some(b) => b,
+            None => {
+                let bytes = bytes.div_ceil(1 << 21) << 21;
+                let mut p = 0;
+                ck("allocating device staging memory", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
+                DevMem { ptr: p, bytes }
+            }
+        };
+        Ok(StagingLease { dev: dev.clone(), buf: Some(buf) })
+    }
+
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.buf.as_ref().map_or(0, |b| b.ptr)
+    }
+}
+
+impl Drop for StagingLease {
+    fn drop(&mut self) {
+        let Some(buf) = self.buf.take() else { return };
+        let mut idle = self.dev.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = idle.iter().map(|b| b.bytes).sum();
+        if held + buf.bytes <= STAGING_IDLE_MAX {
+            idle.push(buf);
+        } else {
+            drop(idle);
+            if self.dev.bind().is_ok() {
+                drop(buf);
+            } else {
+                std::mem::forget(buf);
+            }
+        }
     }
 }

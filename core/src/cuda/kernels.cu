@@ -288,3 +288,19 @@ extern "C" __global__ void gather_rows(const bf16* y, long long ys, int ycol, lo
     const bf16* s = row_of(R, t0 + i);
     for (int c = threadIdx.x; c < sw; c += blockDim.x) dst[(long long)i * sw + c] = s[c];
 }
+
+// A capture's block gather: copy each listed run of rows (rows × width values, rows src_stride
+// values apart) packed to its offset in the block's device staging body. One launch per feed and
+// block (blockIdx.y: the run), so the body leaves the device in one copy, not one per array.
+struct RowCopy { unsigned long long src; long long src_stride; long long dst; int rows; int width; };
+struct RowCopies { RowCopy c[16]; int n; };
+extern "C" __global__ void __launch_bounds__(256) copy_rows(RowCopies b, bf16* __restrict__ dst) {
+    if ((int)blockIdx.y >= b.n) return;
+    const RowCopy c = b.c[blockIdx.y];
+    const bf16* src = (const bf16*)c.src;
+    long long total = (long long)c.rows * c.width;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / c.width;
+        dst[c.dst + i] = src[r * c.src_stride + (i - r * c.width)];
+    }
+}

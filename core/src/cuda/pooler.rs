@@ -440,6 +440,11 @@ impl GpuCache {
         self.post[self.post_of(layer)].0
     }
 
+    /// Every post stream, in order.
+    pub(crate) fn post_streams(&self) -> Vec<sys::CUstream> {
+        self.post.iter().map(|p| p.0).collect()
+    }
+
     pub(crate) fn post_of(&self, layer: usize) -> usize {
         layer % self.post.len()
     }
