@@ -78,6 +78,9 @@ pub struct Capture {
     /// copied to the host and pooled on the CPU.
     #[cfg(feature = "cuda")]
     gpu_fallback: bool,
+    /// The carry state a resumed capture started from: the GPU backend starts there too.
+    #[cfg(feature = "cuda")]
+    carry: Option<crate::carry::CarryState>,
 }
 
 impl Capture {
@@ -111,6 +114,8 @@ impl Capture {
             gpu: None,
             #[cfg(feature = "cuda")]
             gpu_fallback: false,
+            #[cfg(feature = "cuda")]
+            carry: None,
         })
     }
 
@@ -159,6 +164,10 @@ impl Capture {
         }
         self.builder = CacheBuilder::resume(weights, carry)?;
         self.emitted = carry.position / self.block_size;
+        #[cfg(feature = "cuda")]
+        {
+            self.carry = Some(carry.clone());
+        }
         tracing::debug!(request = %self.request_id, resumed_at = carry.position, blocks = self.blocks, "capture resumed from a carry state");
         Ok(())
     }
@@ -204,9 +213,9 @@ impl Capture {
     /// tensors (queued on a side stream after the producer's stream; the call never waits for the
     /// device, and segments appear in [`Self::take_ready`] once the chunk's CUDA event completed).
     /// A capture is fed from one side only. Without the GPU backend (no `cuda` feature, a block
-    /// size that is not a multiple of every compress ratio, `PD_BRIDGE_GPU_UPSTREAM=0` for
-    /// upstream's format, or `PD_BRIDGE_GPU=0`) CUDA rows are copied to the host and pooled on the
-    /// CPU.
+    /// size that is not a multiple of every compress ratio, a resume point where a block would
+    /// read rows from before it, `PD_BRIDGE_GPU_UPSTREAM=0` for upstream's format, or
+    /// `PD_BRIDGE_GPU=0`) CUDA rows are copied to the host and pooled on the CPU.
     pub fn feed_input(&mut self, layer: usize, start: usize, input: Input<'_>) -> Result<()> {
         match input {
             Input::Host(x) => {
@@ -231,16 +240,21 @@ impl Capture {
             return Err(CoreError::input(layer, format!("capture {} is already sealed", self.request_id)));
         }
         if self.gpu.is_none() && !self.gpu_fallback {
-            let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(0));
-            // GpuCapture::new decides which formats and block sizes the GPU handles.
+            let origin = self.builder.origin();
+            let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(origin));
+            // GpuCapture::new (and resume_at, for a resumed capture) decide which formats, block
+            // sizes and resume points the GPU handles.
             let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0");
-            if fed || off {
-                self.gpu_fallback = true;
-            } else {
-                match crate::cuda::capture::GpuCapture::new(self.weights.clone(), t.device, self.format, self.segments.clone(), self.blocks)? {
-                    Some(g) => self.gpu = Some(g),
-                    None => self.gpu_fallback = true,
+            let mut gpu = if fed || off { None } else { crate::cuda::capture::GpuCapture::new(self.weights.clone(), t.device, self.format, self.segments.clone(), self.blocks)? };
+            if let (Some(g), Some(carry)) = (gpu.as_mut(), self.carry.as_ref()) {
+                if !g.resume_at(carry)? {
+                    tracing::debug!(request = %self.request_id, resumed_at = origin, "the GPU path cannot start at this resume point: pooling on the CPU");
+                    gpu = None;
                 }
+            }
+            match gpu {
+                Some(g) => self.gpu = Some(g),
+                None => self.gpu_fallback = true,
             }
         }
         match self.gpu.as_mut() {

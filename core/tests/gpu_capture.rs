@@ -143,3 +143,68 @@ fn flash_sized_capture_gpu_equals_cpu() {
         check_upstream("flash", w, 2100, 512, &[&[2100], &[300, 500, 1]]);
     }
 }
+
+/// A capture resumed at block boundary `s` on the GPU (multi-turn): fed from `lead` tokens before
+/// `s` (rows vLLM recomputed), it must emit the one-shot CPU capture's segments from `s` on and
+/// seal the same, with the carry state taken from a CPU cache fed up to `s`.
+#[cfg(feature = "cuda")]
+fn check_resumed(name: &str, format: OmlxFormat, w: Arc<DecoderWeights>, tokens: usize, block: usize, s: usize, lead: usize, sizes: &[&[usize]]) {
+    use pd_bridge_core::carry::CarryState;
+    use pd_bridge_core::{CacheBuilder, DecoderSteps};
+    let name = &format!("{name} ({format}) resumed at {s}");
+    std::env::set_var("PD_BRIDGE_GPU_GEMM", "exact");
+    let hidden = w.plan.hidden_size();
+    let mut rng = common::Rng::new(43);
+    let x: Vec<Vec<bf16>> = (0..w.plan.num_layers()).map(|_| common::random_rows(&mut rng, tokens, hidden)).collect();
+    let dx: Vec<DeviceBuffer> = x.iter().map(|v| DeviceBuffer::upload(v, 0).unwrap()).collect();
+    let (cpu, cpu_seal) = run_host(format, &w, block, &x, &chunks_of(tokens, &[tokens]));
+    let mut held = CacheBuilder::new(w.clone(), DecoderSteps::for_format(format, block).unwrap());
+    for (l, xl) in x.iter().enumerate() {
+        held.feed(l, 0, &xl[..s * hidden]).unwrap();
+    }
+    let carry = CarryState::from_layers(format, &w.fingerprint, block, None, held.layers()).unwrap();
+    let tail: Vec<&Segment> = cpu.iter().filter(|g| g.header.index as usize >= s / block).collect();
+    assert_eq!(tail.len(), tokens / block - s / block);
+    for sz in sizes {
+        let mut c = Capture::resume(format, w.clone(), "r", tokens, block, &carry).unwrap();
+        let from = s - lead;
+        let mut segs = vec![];
+        for (t, n) in chunks_of(tokens - from, sz) {
+            for (l, xl) in dx.iter().enumerate() {
+                let d = DeviceTensor { ptr: xl.ptr() + ((from + t) * hidden * 2) as u64, nbytes: n * hidden * 2, device: 0, stream: 0 };
+                c.feed_input(l, from + t, Input::Cuda(d)).unwrap();
+            }
+            segs.extend(c.take_ready());
+        }
+        assert!(c.side_stream().is_some(), "{name}: the GPU backend was not used");
+        let seal = serde_json::to_string(&c.seal(None)).unwrap();
+        segs.extend(c.take_ready());
+        assert_eq!(seal, cpu_seal, "{name} chunks {sz:?}: seal");
+        assert_eq!(segs.len(), tail.len(), "{name} chunks {sz:?}: segment count");
+        for (a, b) in tail.iter().zip(&segs) {
+            assert_eq!(a.header, b.header, "{name} chunks {sz:?}: segment {} header", a.header.index);
+            assert!(a.arrays == b.arrays, "{name} chunks {sz:?}: segment {} arrays differ", a.header.index);
+        }
+        eprintln!("{name}, fed from {from} in chunks {sz:?}: {} segments equal to the one-shot CPU capture's", segs.len());
+    }
+}
+
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a CUDA GPU")]
+fn resumed_capture_gpu_equals_one_shot_cpu() {
+    #[cfg(feature = "cuda")]
+    {
+        if !device() {
+            return;
+        }
+        std::env::set_var("PD_BRIDGE_GPU_UPSTREAM", "1");
+        let v4 = Arc::new(DecoderWeights::load(common::v4_model_dir(3)).unwrap());
+        check_resumed("tiny v4", OmlxFormat::Upstream063, v4.clone(), 1100, 256, 512, 100, &[&[1100], &[100, 37, 300], &[256]]);
+        check_resumed("tiny v4", OmlxFormat::Upstream063, v4, 1100, 256, 256, 0, &[&[300, 1]]);
+        let mla = Arc::new(DecoderWeights::load(common::mla_model_dir(4)).unwrap());
+        check_resumed("tiny mla", OmlxFormat::Upstream063, mla.clone(), 300, 16, 128, 30, &[&[300], &[7, 50, 13]]);
+        check_resumed("tiny mla", OmlxFormat::Fork070, mla, 300, 16, 64, 0, &[&[16]]);
+        let flash = synthetic::v4_weights(synthetic::flash_plan(), 5);
+        check_resumed("flash", OmlxFormat::Upstream063, flash, 2100, 512, 1024, 200, &[&[300, 500, 1]]);
+    }
+}

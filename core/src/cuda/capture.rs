@@ -69,6 +69,8 @@ pub(crate) struct GpuCapture {
     spare_events: Vec<Event>,
     /// Blocks in flight beyond which a feed first waits for queued copies (set by the first feed).
     max_open: usize,
+    /// The block boundary the capture resumed at: rows before it are already the decoder's.
+    origin: usize,
 }
 
 // SAFETY: as for GpuCache; the staging and pinned bodies are only touched through `&mut self`
@@ -137,7 +139,30 @@ impl GpuCapture {
             ready: vec![],
             spare_events: vec![],
             max_open: 0,
+            origin: 0,
         }))
+    }
+
+    /// Start at block boundary `carry.position` (before the first feed): `Ok(false)`, nothing
+    /// changed, where the GPU path cannot (the caller pools on the CPU then): a block from there
+    /// on that reads rows from before it (a window longer than a block), or a compressor window
+    /// open at the boundary.
+    pub fn resume_at(&mut self, carry: &crate::carry::CarryState) -> Result<bool> {
+        let s = carry.position;
+        let bs = self.plan.block_size();
+        if s % bs != 0 || self.next != 0 || !self.open.is_empty() {
+            return Err(CoreError::config("cuda", format!("resume point {s} is not a block boundary, or the GPU capture was fed already")));
+        }
+        if s / bs < self.blocks && (0..self.plan.num_layers()).any(|l| self.plan.first_token(s / bs, l) < s) {
+            return Ok(false);
+        }
+        if !self.cache.resume_at(carry)? {
+            return Ok(false);
+        }
+        self.origin = s;
+        self.next = s / bs;
+        self.fed_upto.iter_mut().for_each(|u| *u = s);
+        Ok(true)
     }
 
     /// The side stream the input is read on (torch: `x.record_stream(ExternalStream(handle))`).
@@ -162,9 +187,13 @@ impl GpuCapture {
         }
         let rows = t.nbytes / (hidden * 2);
         let end = (start + rows).min(self.limit);
+        // A resumed capture skips what the prefill engine recomputed before its resume point.
+        let skip = self.origin.saturating_sub(start);
+        let start = start.max(self.origin);
         if end <= start {
             return Ok(());
         }
+        let t = &DeviceTensor { ptr: t.ptr + (skip * hidden * 2) as u64, ..*t };
         let bs = self.plan.block_size();
         if self.max_open == 0 {
             // The blocks one chunk touches (its own, the next one's window lookback), twice over:

@@ -10,6 +10,7 @@ use half::bf16;
 use super::dev::{ck, err, Args, DevBuf, Event, GpuDevice, Stream};
 use super::{DeviceTensor, GemmMode};
 use crate::error::{CoreError, Result};
+use crate::carry::{CarryState, LayerCarry};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
 use crate::pooler::{DecoderSteps, Overlap, PoolSum, StateArray};
@@ -465,6 +466,65 @@ impl GpuCache {
             p.sync()?;
         }
         Ok(())
+    }
+
+    /// Start every layer at block boundary `carry.position` from the decoder's carry state there,
+    /// before the first feed, in streaming mode: pool rows are numbered from the carried counts
+    /// and upstream's carried ratio-4 window goes into the stash the next window overlaps.
+    /// `Ok(false)` (nothing changed) where the GPU path cannot start there: a compressor with an
+    /// incomplete window at the boundary (a block size that is not a multiple of its ratio). The
+    /// window rows are not needed: the caller resumes only where every block from `position` on
+    /// reads rows from `position` on (see `GpuCapture::resume_at`).
+    pub(crate) fn resume_at(&mut self, carry: &CarryState) -> Result<bool> {
+        let s = carry.position;
+        if carry.layers.len() != self.layers.len() || self.layers.iter().any(|l| l.processed != 0) {
+            return Err(CoreError::config("cuda", format!("a carry state of {} layers cannot seed this cache of {} (or it was fed already)", carry.layers.len(), self.layers.len())));
+        }
+        let carried = self.steps.overlap == Overlap::Carried;
+        // Check everything before changing anything.
+        let mut stashes = vec![];
+        for (i, (lc, ld)) in carry.layers.iter().zip(&self.model.layers).enumerate() {
+            match (lc, ld) {
+                (LayerCarry::Kv, LayerDev::Mla { .. }) => {}
+                (LayerCarry::V4(c), LayerDev::V4 { comps, .. }) if c.pools.len() == comps.len() => {
+                    for (ci, (p, cd)) in c.pools.iter().zip(comps).enumerate() {
+                        if !p.buf_kv.is_empty() || !p.buf_gate.is_empty() || s % cd.ratio != 0 {
+                            return Ok(false);
+                        }
+                        if p.width != cd.od || p.pooled_rows != s / cd.ratio {
+                            return Err(CoreError::config("cuda", format!("layer {i}: the carry state's pool {ci} ({} rows of width {}) does not fit the GPU's ({} of width {})", p.pooled_rows, p.width, s / cd.ratio, cd.od)));
+                        }
+                        // The stash row of a token is its raw kv | gate, as the kernels read it.
+                        if let (true, 4, Some([kv, gate])) = (carried, cd.ratio, &p.prev) {
+                            let od = cd.od;
+                            if kv.len() != 4 * od || gate.len() != 4 * od {
+                                return Err(CoreError::config("cuda", format!("layer {i}: the carried previous window is not 4 rows of width {od}")));
+                            }
+                            let rows: Vec<bf16> = (0..4).flat_map(|r| kv[r * od..(r + 1) * od].iter().chain(&gate[r * od..(r + 1) * od]).copied()).collect();
+                            stashes.push((i, ci, rows));
+                        }
+                    }
+                }
+                _ => return Err(CoreError::config("cuda", format!("layer {i}: the carry state is for another kind of layer"))),
+            }
+        }
+        self.model.dev.bind()?;
+        for (i, lr) in self.layers.iter_mut().enumerate() {
+            lr.processed = s;
+            lr.mla_base = s;
+            if let LayerCarry::V4(c) = &carry.layers[i] {
+                for (cr, p) in lr.comps.iter_mut().zip(&c.pools) {
+                    cr.drained = p.pooled_rows;
+                }
+            }
+        }
+        for (i, ci, rows) in stashes {
+            let s = self.post_stream(i);
+            let cr = &mut self.layers[i].comps[ci];
+            cr.stash[cr.cur] = DevBuf::upload(&rows, s)?;
+            cr.stash_rows = 4;
+        }
+        Ok(true)
     }
 
     /// Fold host rows (uploaded first): for tests and the CPU-fed path.
