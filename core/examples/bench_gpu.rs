@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use pd_bridge_core::cuda::{
-    gemm_flops, synthetic, DeviceBuffer, DeviceTensor, GemmMode, GpuCache, GpuModel,
+    self, gemm_flops, synthetic, DeviceBuffer, DeviceTensor, GemmMode, GpuCache, GpuModel,
 };
 use pd_bridge_core::capture::{Capture, Input};
 use pd_bridge_core::{DecoderSteps, OmlxFormat};
@@ -110,7 +110,21 @@ fn run_capture(format: OmlxFormat, m: &Arc<GpuModel>, x: &DeviceBuffer, tokens: 
     };
     // Warm-up: the kernels, cuBLAS, and the page-locked bodies the pool then reuses.
     pass((3 * chunk).max(8 * block).min(tokens))?;
+    cuda::capture_times(true);
     pass(tokens)
+}
+
+/// The capture engine's host time by phase in the last measured pass (see `CaptureTimes`).
+fn phases() -> String {
+    let t = cuda::capture_times(true);
+    format!(
+        "host: kernels queued {:.0} ms, gathers queued {:.0} ms (waits inside), host copies queued {:.0} ms, waiting for copies {:.0} ms; buffers allocated so far {}",
+        t.kernels_s * 1e3,
+        t.gathers_s * 1e3,
+        t.copies_s * 1e3,
+        t.waits_s * 1e3,
+        t.new_buffers
+    )
 }
 
 fn main() {
@@ -232,13 +246,14 @@ fn main() {
                     let cap = tokens as f64 / secs;
                     cells.push(format!("{cap:.0} tok/s | {:.1}%", 100.0 * cap / roof));
                     notes.push(format!(
-                        "chunk {c}, {format}: segments {:.1} KB/token ({:.2} GB in {} segments of {step} tokens), device-to-host {:.1} GB/s; host time in feed/take_ready {:.0} ms of {:.0} ms",
+                        "chunk {c}, {format}: segments {:.1} KB/token ({:.2} GB in {} segments of {step} tokens), device-to-host {:.1} GB/s; host time in feed/take_ready {:.0} ms of {:.0} ms; {}",
                         bytes as f64 / tokens as f64 / 1e3,
                         bytes as f64 / 1e9,
                         tokens / step,
                         bytes as f64 / secs / 1e9,
                         host * 1e3,
-                        secs * 1e3
+                        secs * 1e3,
+                        phases()
                     ));
                 }
                 Err(e) => {
@@ -257,5 +272,33 @@ fn main() {
     }
     for n in notes {
         println!("{n}");
+    }
+    // PD_BRIDGE_BENCH_CAPTURE_VARIANTS="VAR=V;VAR=V,VAR2=W": the end-to-end figures again with
+    // each variant's settings (read when a capture starts), side by side with the default above.
+    if let Ok(list) = std::env::var("PD_BRIDGE_BENCH_CAPTURE_VARIANTS") {
+        for variant in list.split(';').filter(|v| !v.is_empty()) {
+            let kv: Vec<(&str, &str)> = variant.split(',').filter_map(|p| p.split_once('=')).collect();
+            for (k, v) in &kv {
+                std::env::set_var(k, v);
+            }
+            for &c in &chunks {
+                for format in [OmlxFormat::Fork070, OmlxFormat::Upstream063] {
+                    match run_capture(format, &m, &x, tokens, c, step) {
+                        Ok((secs, _, host)) => println!(
+                            "variant {variant}: chunk {c}, {format}: {:.0} tok/s ({:.1}%), host {:.0} ms of {:.0} ms; {}",
+                            tokens as f64 / secs,
+                            100.0 * tokens as f64 / secs / roof,
+                            host * 1e3,
+                            secs * 1e3,
+                            phases()
+                        ),
+                        Err(e) => println!("variant {variant}: chunk {c}, {format}: failed: {e}"),
+                    }
+                }
+            }
+            for (k, _) in &kv {
+                std::env::remove_var(k);
+            }
+        }
     }
 }

@@ -22,7 +22,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::driver::sys;
 use half::bf16;
@@ -35,6 +37,35 @@ use crate::format::{OmlxFormat, Overlap};
 use crate::pooler::DecoderSteps;
 use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
+
+/// Host seconds the capture engine spent, by phase, over every GPU capture in this process since
+/// the last reset: what `bench_gpu` prints beside its end-to-end figure.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CaptureTimes {
+    /// Queueing the kernels (`GpuCache::feed_device`).
+    pub kernels_s: f64,
+    /// Queueing the gathers (`copy_rows`), opening blocks included.
+    pub gathers_s: f64,
+    /// Queueing the host copies of finished blocks.
+    pub copies_s: f64,
+    /// Waiting for copies (a feed too far ahead of the device, or a waiting poll).
+    pub waits_s: f64,
+    /// Page-locked or staging buffers newly allocated (no idle one fitted).
+    pub new_buffers: u64,
+}
+
+static TIMES_NS: [AtomicU64; 4] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+fn add_time(i: usize, since: Instant) {
+    TIMES_NS[i].fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
+/// See [`CaptureTimes`]; `reset` zeroes the counters after reading them.
+pub fn capture_times(reset: bool) -> CaptureTimes {
+    let get = |a: &AtomicU64| if reset { a.swap(0, Ordering::Relaxed) } else { a.load(Ordering::Relaxed) };
+    let s = |i: usize| get(&TIMES_NS[i]) as f64 / 1e9;
+    CaptureTimes { kernels_s: s(0), gathers_s: s(1), copies_s: s(2), waits_s: s(3), new_buffers: get(&super::dev::NEW_BUFFERS) }
+}
 
 /// A block whose body the post streams are gathering on the device.
 struct GpuBlock {
@@ -63,8 +94,9 @@ pub(crate) struct GpuCapture {
     /// The next block to copy to the host.
     next: usize,
     ready: Vec<Segment>,
-    /// Copies finished bodies to the host, after the post streams' gathers (`gathered`).
-    copy: Stream,
+    /// Copy finished bodies to the host (block k on `copy[k % len]`: several copy engines),
+    /// after the post streams' gathers (`gathered`).
+    copy: Vec<Stream>,
     gathered: Vec<Event>,
     spare_events: Vec<Event>,
     /// Blocks in flight beyond which a feed first waits for queued copies (set by the first feed).
@@ -83,7 +115,9 @@ impl Drop for GpuCapture {
         // Gathers and copies may still be writing into leased bodies: let them finish before the
         // bodies go back to their pools.
         let _ = self.cache.synchronize();
-        let _ = self.copy.sync();
+        for c in &self.copy {
+            let _ = c.sync();
+        }
     }
 }
 
@@ -126,7 +160,8 @@ impl GpuCapture {
         let n = plan.num_layers();
         let nposts = cache.post_streams().len();
         Ok(Some(GpuCapture {
-            copy: Stream::new()?,
+            // PD_BRIDGE_GPU_COPY_STREAMS: streams the finished bodies leave the device on.
+            copy: (0..std::env::var("PD_BRIDGE_GPU_COPY_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).clamp(1, 8)).map(|_| Stream::new()).collect::<Result<_>>()?,
             gathered: (0..nposts).map(|_| Event::new()).collect::<Result<_>>()?,
             cache,
             plan,
@@ -202,7 +237,10 @@ impl GpuCapture {
         }
         self.cache.model.dev.bind()?;
         let t = DeviceTensor { nbytes: (end - start) * hidden * 2, ..*t };
+        let clock = Instant::now();
         self.cache.feed_device(layer, start, &t)?;
+        add_time(0, clock);
+        let clock = Instant::now();
         let outs = self.cache.chunk_outputs(layer);
         // Behind the layer's kernels on its post stream: its next feed, which overwrites these
         // outputs, is queued on the same stream after the gathers.
@@ -230,7 +268,11 @@ impl GpuCapture {
         }
         let upto = &mut self.fed_upto[layer];
         *upto = (*upto).max(end);
-        self.queue_finished()
+        add_time(1, clock);
+        let clock = Instant::now();
+        let r = self.queue_finished();
+        add_time(2, clock);
+        r
     }
 
     /// Queue the host copy of every block whose every layer has been gathered to its end.
@@ -240,12 +282,14 @@ impl GpuCapture {
         if !(self.next < self.blocks && (self.next + 1) * bs <= upto) {
             return Ok(());
         }
-        let cs = self.copy.0;
         for (ev, post) in self.gathered.iter().zip(self.cache.post_streams()) {
             ev.record(post)?;
-            ck("ordering the copy after the gathers", unsafe { sys::cuStreamWaitEvent(cs, ev.0, 0) })?;
+            for c in &self.copy {
+                ck("ordering the copy after the gathers", unsafe { sys::cuStreamWaitEvent(c.0, ev.0, 0) })?;
+            }
         }
         while self.next < self.blocks && (self.next + 1) * bs <= upto {
+            let cs = self.copy[self.next % self.copy.len()].0;
             let b = self.open.remove(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never gathered", self.next)))?;
             let body = PinnedLease::take(&self.cache.model.dev, b.plan.values)?;
             // SAFETY: both bodies hold `values` bf16 values (the plan sized them); the pinned one
@@ -266,7 +310,9 @@ impl GpuCapture {
     /// copy (the engine is that far ahead of the device). Blocks still being gathered do not wait.
     fn make_room(&mut self) -> Result<()> {
         while self.open.len() + self.copying.len() >= self.max_open && !self.copying.is_empty() {
+            let clock = Instant::now();
             self.copying[0].done.wait()?;
+            add_time(3, clock);
             self.take_in(false)?;
         }
         Ok(())
@@ -277,7 +323,9 @@ impl GpuCapture {
     fn take_in(&mut self, wait: bool) -> Result<()> {
         while let Some(c) = self.copying.front() {
             if wait {
+                let clock = Instant::now();
                 c.done.wait()?;
+                add_time(3, clock);
             } else if !c.done.done()? {
                 break;
             }

@@ -358,6 +358,9 @@ impl Pinned {
     }
 }
 
+/// Page-locked and staging buffers allocated because no idle one fitted (the benchmark's profile).
+pub(crate) static NEW_BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Idle page-locked memory a device keeps for reuse. Pinning is slow (the pages are allocated and
 /// locked) and freeing it synchronises the device, so buffers go back to the pool, not the OS;
 /// only what exceeds this is freed.
@@ -391,6 +394,7 @@ impl PinnedLease {
             Some(b) => b,
             None => {
                 dev.bind()?;
+                NEW_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Pinned::new(bytes.div_ceil(1 << 21) << 21)?
             }
         };
@@ -500,6 +504,7 @@ impl StagingLease {
             Some(b) => b,
             None => {
                 let bytes = bytes.div_ceil(1 << 21) << 21;
+                NEW_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let mut p = 0;
                 ck("allocating device staging memory", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
                 DevMem { ptr: p, bytes }

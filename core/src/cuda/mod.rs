@@ -23,6 +23,7 @@ mod pooler;
 pub(crate) mod capture;
 pub mod synthetic;
 
+pub use capture::{capture_times, CaptureTimes};
 pub use dev::{cuda_available, GpuDevice};
 pub use pooler::{GpuCache, GpuModel, WindowRows};
 
