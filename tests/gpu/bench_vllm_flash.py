@@ -67,11 +67,9 @@ def gpu_used_bytes() -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
 
 
-def metric(llm, name: str):
-    for m in llm.get_metrics():
-        if m.name == name:
-            return getattr(m, "value", None) if not hasattr(m, "count") else (m.count, getattr(m, "sum", 0.0))
-    return None
+def metric(llm, name: str) -> float:
+    """A counter's value summed over its label sets (engine, model)."""
+    return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name and not hasattr(m, "count"))
 
 
 def engine(a) -> None:
@@ -126,7 +124,9 @@ def engine(a) -> None:
         wall = time.monotonic() - t
         if puller is not None:
             puller.join(600)
-        # one uncaptured step carries the seal's stats to the frontend's loggers
+        # one uncaptured step carries the seal's stats to the frontend's loggers (the seal is
+        # reported by the worker after its step; vllm_capture.py waits the same)
+        time.sleep(1.0)
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
         b1 = metric(llm, "vllm:pd_bridge_bytes") or 0
         r = {"rid": rid if capture else None, "tokens": n, "capture": capture, "wall_s": round(wall, 3), "tok_per_s": round(n / wall), "rss_gib": round(engine_rss_bytes() / 2**30, 2),

@@ -161,7 +161,7 @@ impl GpuCapture {
         let nposts = cache.post_streams().len();
         Ok(Some(GpuCapture {
             // PD_BRIDGE_GPU_COPY_STREAMS: streams the finished bodies leave the device on.
-            copy: (0..std::env::var("PD_BRIDGE_GPU_COPY_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).clamp(1, 8)).map(|_| Stream::new()).collect::<Result<_>>()?,
+            copy: (0..std::env::var("PD_BRIDGE_GPU_COPY_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(4).clamp(1, 8)).map(|_| Stream::new()).collect::<Result<_>>()?,
             gathered: (0..nposts).map(|_| Event::new()).collect::<Result<_>>()?,
             cache,
             plan,
