@@ -159,6 +159,8 @@ impl Capture {
             });
         }
         let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(self.builder.origin()));
+        #[cfg(feature = "cuda")]
+        let fed = fed || self.gpu.is_some() || self.gpu_fallback;
         if fed || self.emitted != self.builder.origin() / self.block_size || self.sealed.is_some() || self.pending() > 0 {
             return Err(CoreError::input(0, format!("capture {} was already fed or sealed; a carry state can only seed a fresh capture", self.request_id)));
         }
@@ -281,7 +283,8 @@ impl Capture {
         Ok(())
     }
 
-    /// GPU chunks queued whose results are not in yet (0 on the CPU path).
+    /// GPU blocks with device work queued whose segments are not out yet (0 on the CPU path and
+    /// after the seal).
     pub fn pending(&self) -> usize {
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
@@ -385,6 +388,10 @@ impl Capture {
             None => Seal::Partial { blocks, tokens, reason: format!("only {} of {} blocks were captured", self.emitted, self.blocks) },
         };
         self.assembling.clear();
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_mut() {
+            g.finish();
+        }
         self.sealed = Some(seal.clone());
         seal
     }

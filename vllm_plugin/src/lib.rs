@@ -307,7 +307,7 @@ impl Capture {
         guard(|| Ok(self.inner.side_stream()))
     }
 
-    /// GPU chunks queued whose results are not in yet.
+    /// GPU blocks with device work queued whose segments are not out yet (0 after the seal).
     #[getter]
     fn pending(&self) -> PyResult<usize> {
         guard(|| Ok(self.inner.pending()))

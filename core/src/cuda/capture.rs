@@ -44,13 +44,14 @@ use crate::weights::DecoderWeights;
 pub struct CaptureTimes {
     /// Queueing the kernels (`GpuCache::feed_device`).
     pub kernels_s: f64,
-    /// Queueing the gathers (`copy_rows`), opening blocks included.
+    /// Queueing the gathers (`copy_rows`), opening blocks included (so `waits_s` spent making room
+    /// is counted here too).
     pub gathers_s: f64,
     /// Queueing the host copies of finished blocks.
     pub copies_s: f64,
     /// Waiting for copies (a feed too far ahead of the device, or a waiting poll).
     pub waits_s: f64,
-    /// Page-locked or staging buffers newly allocated (no idle one fitted).
+    /// Page-locked or staging buffers newly allocated (no idle one fitted), since the last reset.
     pub new_buffers: u64,
 }
 
@@ -103,6 +104,9 @@ pub(crate) struct GpuCapture {
     max_open: usize,
     /// The block boundary the capture resumed at: rows before it are already the decoder's.
     origin: usize,
+    /// A feed failed after queueing device work: some gathers may be missing, so no later block
+    /// may be handed out (staging memory is reused, not zeroed) and every call refuses.
+    failed: Option<String>,
 }
 
 // SAFETY: as for GpuCache; the staging and pinned bodies are only touched through `&mut self`
@@ -175,6 +179,7 @@ impl GpuCapture {
             spare_events: vec![],
             max_open: 0,
             origin: 0,
+            failed: None,
         }))
     }
 
@@ -205,14 +210,41 @@ impl GpuCapture {
         self.cache.stream_handle()
     }
 
-    /// Blocks with device work queued whose segments are not out yet.
+    /// Blocks with device work queued whose segments are not out yet (0 after [`Self::finish`]).
     pub fn pending(&self) -> usize {
         self.open.len() + self.copying.len()
     }
 
-    /// Queue `t`'s rows for `layer` (tokens from `start`; rows past the last full block are
-    /// skipped).
+    /// Wait for every stream this capture queued work on, so that buffers can go back to their
+    /// pools.
+    fn sync_all(&self) -> Result<()> {
+        self.cache.synchronize()?;
+        for c in &self.copy {
+            c.sync()?;
+        }
+        Ok(())
+    }
+
+    fn refuse_if_failed(&self) -> Result<()> {
+        match &self.failed {
+            Some(e) => Err(CoreError::config("cuda", format!("an earlier feed of this GPU capture failed ({e}); nothing more is captured"))),
+            None => Ok(()),
+        }
+    }
+
+    /// After the seal: blocks never finished (an aborted or partial capture) give their buffers
+    /// back once the device is done with them.
+    pub fn finish(&mut self) {
+        if !self.open.is_empty() && self.sync_all().is_ok() {
+            self.open.clear();
+        }
+    }
+
+    /// Queue `t`'s rows for `layer` (tokens from `start`; rows past the last full block, and on a
+    /// resumed capture rows before its resume point, are skipped). An error after device work was
+    /// queued fails the capture: later calls refuse.
     pub fn feed(&mut self, layer: usize, start: usize, t: &DeviceTensor) -> Result<()> {
+        self.refuse_if_failed()?;
         let hidden = self.cache.model.hidden_size();
         if t.nbytes == 0 || t.nbytes % (hidden * 2) != 0 {
             return Err(CoreError::input(layer, format!("{} bytes is not a whole number of bf16 rows of width {hidden}", t.nbytes)));
@@ -240,6 +272,17 @@ impl GpuCapture {
         let clock = Instant::now();
         self.cache.feed_device(layer, start, &t)?;
         add_time(0, clock);
+        let r = self.queue_feed(layer, start, end);
+        if let Err(e) = &r {
+            // The cache moved on but this chunk's gathers or copies may be missing.
+            self.failed = Some(e.to_string());
+            let _ = self.sync_all();
+        }
+        r
+    }
+
+    /// The gathers of a fed chunk into its blocks, then the host copies of blocks it finished.
+    fn queue_feed(&mut self, layer: usize, start: usize, end: usize) -> Result<()> {
         let clock = Instant::now();
         let outs = self.cache.chunk_outputs(layer);
         // Behind the layer's kernels on its post stream: its next feed, which overwrites these
@@ -290,16 +333,22 @@ impl GpuCapture {
         }
         while self.next < self.blocks && (self.next + 1) * bs <= upto {
             let cs = self.copy[self.next % self.copy.len()].0;
-            let b = self.open.remove(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never gathered", self.next)))?;
-            let body = PinnedLease::take(&self.cache.model.dev, b.plan.values)?;
-            // SAFETY: both bodies hold `values` bf16 values (the plan sized them); the pinned one
-            // is read only after `done`, recorded after this copy.
-            ck("copying a segment body to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(body.ptr() as *mut c_void, b.staging.ptr(), b.plan.values * 2, cs) })?;
+            let values = self.open.get(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never gathered", self.next)))?.plan.values;
+            // Taken before the block leaves `open`: a failure here drops nothing in use.
+            let body = PinnedLease::take(&self.cache.model.dev, values)?;
             let done = match self.spare_events.pop() {
                 Some(e) => e,
                 None => Event::new()?,
             };
-            done.record(cs)?;
+            let b = self.open.remove(&self.next).expect("checked above");
+            // SAFETY: both bodies hold `values` bf16 values (the plan sized them); the pinned one
+            // is read only after `done`, recorded after this copy.
+            let queued = ck("copying a segment body to the host", unsafe { sys::cuMemcpyDtoHAsync_v2(body.ptr() as *mut c_void, b.staging.ptr(), values * 2, cs) }).and_then(|()| done.record(cs));
+            if let Err(e) = queued {
+                // The gathers (and maybe the copy) may still run: wait before the buffers go back.
+                let _ = self.sync_all();
+                return Err(e);
+            }
             self.copying.push_back(Copying { plan: b.plan, body, _staging: b.staging, done });
             self.next += 1;
         }
@@ -338,6 +387,7 @@ impl GpuCapture {
 
     /// The segments completed so far (waiting for every queued copy if `wait`), in block order.
     pub fn poll(&mut self, wait: bool) -> Result<Vec<Segment>> {
+        self.refuse_if_failed()?;
         if !self.copying.is_empty() {
             self.cache.model.dev.bind()?;
             self.take_in(wait)?;

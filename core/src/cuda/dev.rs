@@ -437,7 +437,8 @@ impl Drop for Pinned {
     }
 }
 
-/// Kernel arguments, each stored in its own 8-byte cell (every parameter here is ≤ 8 bytes).
+/// Kernel arguments, each stored in its own 8-byte-aligned cell (scalars, pointers, or a
+/// `repr(C)` struct passed by value).
 #[derive(Default)]
 pub(crate) struct Args(Vec<Box<[u64]>>);
 

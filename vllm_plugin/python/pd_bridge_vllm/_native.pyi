@@ -148,7 +148,7 @@ class Capture:
         """The GPU side stream (a ``CUstream`` as an integer) once a CUDA feed started it."""
     @property
     def pending(self) -> int:
-        """GPU chunks queued whose results are not in yet."""
+        """GPU blocks with device work queued whose segments are not out yet (0 after the seal)."""
     def poll(self) -> int:
         """Take in finished GPU chunks without waiting and send the segments they complete;
         returns how many segments went out."""
