@@ -385,12 +385,7 @@ impl PinnedLease {
     /// large, else a new one (rounded up to 2 MiB).
     pub fn take(dev: &Arc<GpuDevice>, values: usize) -> Result<Self> {
         let bytes = (values * 2).max(1);
-        let found = {
-            let mut idle = dev.pinned.lock().unwrap_or_else(|p| p.into_inner());
-            let best = idle.iter().enumerate().filter(|(_, b)| b.bytes >= bytes && b.bytes <= 2 * bytes.max(1 << 21)).min_by_key(|(_, b)| b.bytes).map(|(i, _)| i);
-            best.map(|i| idle.swap_remove(i))
-        };
-        let buf = match found {
+        let buf = match idle_fit(&dev.pinned, bytes, |b| b.bytes) {
             Some(b) => b,
             None => {
                 dev.bind()?;
@@ -415,18 +410,33 @@ impl crate::segment::BodyStore for PinnedLease {
 
 impl Drop for PinnedLease {
     fn drop(&mut self) {
-        let Some(buf) = self.buf.take() else { return };
-        let mut idle = self.dev.pinned.lock().unwrap_or_else(|p| p.into_inner());
-        let held: usize = idle.iter().map(|b| b.bytes).sum();
-        if held + buf.bytes <= PINNED_IDLE_MAX {
-            idle.push(buf);
+        if let Some(buf) = self.buf.take() {
+            give_back(&self.dev, &self.dev.pinned, buf, PINNED_IDLE_MAX, |b| b.bytes);
+        }
+    }
+}
+
+/// From a device's idle buffers, the smallest that holds `bytes` and is at most twice as large
+/// (2 MiB at least): reuse without holding much more than asked.
+fn idle_fit<T>(idle: &Mutex<Vec<T>>, bytes: usize, size: impl Fn(&T) -> usize) -> Option<T> {
+    let mut idle = idle.lock().unwrap_or_else(|p| p.into_inner());
+    let best = idle.iter().enumerate().filter(|(_, b)| size(b) >= bytes && size(b) <= 2 * bytes.max(1 << 21)).min_by_key(|(_, b)| size(b)).map(|(i, _)| i);
+    best.map(|i| idle.swap_remove(i))
+}
+
+/// Back to the device's idle buffers, or freed (with the context bound; leaked if it cannot be)
+/// when that would hold more than `max` bytes idle.
+fn give_back<T>(dev: &GpuDevice, idle: &Mutex<Vec<T>>, buf: T, max: usize, size: impl Fn(&T) -> usize) {
+    let mut list = idle.lock().unwrap_or_else(|p| p.into_inner());
+    let held: usize = list.iter().map(&size).sum();
+    if held + size(&buf) <= max {
+        list.push(buf);
+    } else {
+        drop(list);
+        if dev.bind().is_ok() {
+            drop(buf);
         } else {
-            drop(idle);
-            if self.dev.bind().is_ok() {
-                drop(buf);
-            } else {
-                std::mem::forget(buf);
-            }
+            std::mem::forget(buf);
         }
     }
 }
@@ -496,12 +506,7 @@ impl StagingLease {
     /// else a new one (rounded up to 2 MiB). The device's context must be bound.
     pub fn take(dev: &Arc<GpuDevice>, bytes: usize) -> Result<Self> {
         let bytes = bytes.max(1);
-        let found = {
-            let mut idle = dev.staging.lock().unwrap_or_else(|p| p.into_inner());
-            let best = idle.iter().enumerate().filter(|(_, b)| b.bytes >= bytes && b.bytes <= 2 * bytes.max(1 << 21)).min_by_key(|(_, b)| b.bytes).map(|(i, _)| i);
-            best.map(|i| idle.swap_remove(i))
-        };
-        let buf = match found {
+        let buf = match idle_fit(&dev.staging, bytes, |b| b.bytes) {
             Some(b) => b,
             None => {
                 let bytes = bytes.div_ceil(1 << 21) << 21;
@@ -521,18 +526,8 @@ impl StagingLease {
 
 impl Drop for StagingLease {
     fn drop(&mut self) {
-        let Some(buf) = self.buf.take() else { return };
-        let mut idle = self.dev.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let held: usize = idle.iter().map(|b| b.bytes).sum();
-        if held + buf.bytes <= STAGING_IDLE_MAX {
-            idle.push(buf);
-        } else {
-            drop(idle);
-            if self.dev.bind().is_ok() {
-                drop(buf);
-            } else {
-                std::mem::forget(buf);
-            }
+        if let Some(buf) = self.buf.take() {
+            give_back(&self.dev, &self.dev.staging, buf, STAGING_IDLE_MAX, |b| b.bytes);
         }
     }
 }
