@@ -1056,7 +1056,8 @@ impl GpuCache {
             LayerDev::V4 {
                 hd, size, comps, ..
             } => {
-                let rows = lr.processed.min(*size);
+                // A resumed cache holds only the window rows fed since its resume point.
+                let rows = lr.processed.min(*size).min(lr.win_rows);
                 let data = self.read(
                     lr.win[lr.cur].ptr + ((lr.win_rows - rows) * hd * BF) as u64,
                     rows * hd,
