@@ -270,11 +270,12 @@ impl GpuCapture {
         self.cache.model.dev.bind()?;
         let t = DeviceTensor { nbytes: (end - start) * hidden * 2, ..*t };
         let clock = Instant::now();
-        self.cache.feed_device(layer, start, &t)?;
+        let r = self.cache.feed_device(layer, start, &t);
         add_time(0, clock);
-        let r = self.queue_feed(layer, start, end);
+        let r = r.and_then(|()| self.queue_feed(layer, start, end));
         if let Err(e) = &r {
-            // The cache moved on but this chunk's gathers or copies may be missing.
+            // Part of this chunk's kernels, gathers or copies may be missing: the device state
+            // no longer matches the rows fed.
             self.failed = Some(e.to_string());
             let _ = self.sync_all();
         }
