@@ -50,12 +50,12 @@ fn run_host(format: OmlxFormat, w: &Arc<DecoderWeights>, block: usize, x: &[Vec<
     (segs, seal)
 }
 
+/// Feed `c` the device rows `x` in `chunks` (token offsets from `from`), collecting segments.
 #[cfg(feature = "cuda")]
-fn run_device(format: OmlxFormat, w: &Arc<DecoderWeights>, block: usize, x: &[DeviceBuffer], tokens: usize, chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
-    let hidden = w.plan.hidden_size();
-    let mut c = Capture::with_format(format, w.clone(), "r", tokens, block).unwrap();
+fn run_device(mut c: Capture, hidden: usize, x: &[DeviceBuffer], from: usize, chunks: &[(usize, usize)]) -> (Vec<Segment>, String) {
     let mut segs = vec![];
     for &(t, n) in chunks {
+        let t = from + t;
         for (l, xl) in x.iter().enumerate() {
             let d = DeviceTensor { ptr: xl.ptr() + (t * hidden * 2) as u64, nbytes: n * hidden * 2, device: 0, stream: 0 };
             c.feed_input(l, t, Input::Cuda(d)).unwrap();
@@ -94,14 +94,21 @@ fn check_format(format: OmlxFormat, name: &str, w: Arc<DecoderWeights>, tokens: 
     eprintln!("{name}: CPU capture {} segments in {:.1}s", cpu.len(), t0.elapsed().as_secs_f64());
     assert_eq!(cpu.len(), tokens / block);
     for s in sizes {
-        let (gpu, gpu_seal) = run_device(format, &w, block, &dx, tokens, &chunks_of(tokens, s));
-        assert_eq!(gpu_seal, cpu_seal, "{name} chunks {s:?}: seal");
-        assert_eq!(gpu.len(), cpu.len(), "{name} chunks {s:?}: segment count");
-        for (a, b) in cpu.iter().zip(&gpu) {
-            assert_eq!(a.header, b.header, "{name} chunks {s:?}: segment {} header", a.header.index);
-            assert!(a.arrays == b.arrays, "{name} chunks {s:?}: segment {} arrays differ", a.header.index);
-        }
+        let c = Capture::with_format(format, w.clone(), "r", tokens, block).unwrap();
+        let (gpu, gpu_seal) = run_device(c, hidden, &dx, 0, &chunks_of(tokens, s));
+        assert_same(&format!("{name} chunks {s:?}"), cpu.iter(), &cpu_seal, &gpu, &gpu_seal);
         eprintln!("{name}: GPU capture, chunks {s:?}: {} segments equal to the CPU path's", gpu.len());
+    }
+}
+
+/// The GPU capture's segments and seal are the expected ones, header and bytes.
+#[cfg(feature = "cuda")]
+fn assert_same<'a>(what: &str, want: impl ExactSizeIterator<Item = &'a Segment>, want_seal: &str, got: &[Segment], got_seal: &str) {
+    assert_eq!(got_seal, want_seal, "{what}: seal");
+    assert_eq!(got.len(), want.len(), "{what}: segment count");
+    for (a, b) in want.zip(got) {
+        assert_eq!(a.header, b.header, "{what}: segment {} header", a.header.index);
+        assert!(a.arrays == b.arrays, "{what}: segment {} arrays differ", a.header.index);
     }
 }
 
@@ -166,25 +173,10 @@ fn check_resumed(name: &str, format: OmlxFormat, w: Arc<DecoderWeights>, tokens:
     let tail: Vec<&Segment> = cpu.iter().filter(|g| g.header.index as usize >= s / block).collect();
     assert_eq!(tail.len(), tokens / block - s / block);
     for sz in sizes {
-        let mut c = Capture::resume(format, w.clone(), "r", tokens, block, &carry).unwrap();
+        let c = Capture::resume(format, w.clone(), "r", tokens, block, &carry).unwrap();
         let from = s - lead;
-        let mut segs = vec![];
-        for (t, n) in chunks_of(tokens - from, sz) {
-            for (l, xl) in dx.iter().enumerate() {
-                let d = DeviceTensor { ptr: xl.ptr() + ((from + t) * hidden * 2) as u64, nbytes: n * hidden * 2, device: 0, stream: 0 };
-                c.feed_input(l, from + t, Input::Cuda(d)).unwrap();
-            }
-            segs.extend(c.take_ready());
-        }
-        assert!(c.side_stream().is_some(), "{name}: the GPU backend was not used");
-        let seal = serde_json::to_string(&c.seal(None)).unwrap();
-        segs.extend(c.take_ready());
-        assert_eq!(seal, cpu_seal, "{name} chunks {sz:?}: seal");
-        assert_eq!(segs.len(), tail.len(), "{name} chunks {sz:?}: segment count");
-        for (a, b) in tail.iter().zip(&segs) {
-            assert_eq!(a.header, b.header, "{name} chunks {sz:?}: segment {} header", a.header.index);
-            assert!(a.arrays == b.arrays, "{name} chunks {sz:?}: segment {} arrays differ", a.header.index);
-        }
+        let (segs, seal) = run_device(c, hidden, &dx, from, &chunks_of(tokens - from, sz));
+        assert_same(&format!("{name} chunks {sz:?}"), tail.iter().copied(), &cpu_seal, &segs, &seal);
         eprintln!("{name}, fed from {from} in chunks {sz:?}: {} segments equal to the one-shot CPU capture's", segs.len());
     }
 }
