@@ -191,6 +191,8 @@ case "${1:-}" in
     setup test
     log "Rust tests"
     cargo test -p pd-bridge-core --release
+    # The segment server's shared counts under shuttle's schedules (its locks swapped for shuttle's).
+    cargo test -p pd-bridge-core --release --features model-check --test outbox_model
     # The Python boundary both wheels share: error mapping, panic guard (every entry point), logging.
     cargo test -p pd-bridge-bindings --release
     log "decode-side tests (real MLX / upstream oMLX)"

@@ -13,11 +13,13 @@ pub mod carry;
 pub mod cuda;
 pub mod error;
 pub mod format;
+pub mod ingest;
 pub mod numerics;
 pub mod plan;
 pub mod pooler;
 pub mod segment;
-pub mod stream;
+pub mod segment_server;
+pub(crate) mod sync;
 pub mod weights;
 pub mod wire;
 

@@ -15,7 +15,8 @@ use pd_bridge_core::block::validate::{inspect_with, Expect};
 use pd_bridge_core::block::{block_path, BlockWriter};
 use pd_bridge_core::capture::Capture;
 use pd_bridge_core::segment::Segment;
-use pd_bridge_core::stream::{ingest, IngestControl, Ingested, Pull, SegmentServer};
+use pd_bridge_core::ingest::{ingest, IngestControl, Ingested, Pull};
+use pd_bridge_core::segment_server::SegmentServer;
 use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest, Seal};
 use pd_bridge_core::{CoreError, DecoderWeights, OmlxFormat};
 

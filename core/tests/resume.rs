@@ -380,7 +380,8 @@ fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
 /// `S / block ..` identical to writing the whole prompt directly.
 #[test]
 fn resumed_capture_ingests_over_tcp() {
-    use pd_bridge_core::stream::{ingest, IngestControl, Pull, SegmentServer};
+    use pd_bridge_core::ingest::{ingest, IngestControl, Pull};
+    use pd_bridge_core::segment_server::SegmentServer;
     use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest};
     let w = v4();
     let (block, s, prompt) = (128, 256, 700);

@@ -9,7 +9,8 @@ use std::time::Duration;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::stream::{ingest, IngestControl, Ingested, Pull, SegmentServer, ServerConfig};
+use pd_bridge_core::ingest::{ingest, IngestControl, Ingested, Pull};
+use pd_bridge_core::segment_server::{SegmentServer, ServerConfig};
 use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest, Seal};
 use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, CoreError};
 
@@ -138,6 +139,24 @@ fn prefill_dying_mid_stream_leaves_a_valid_prefix() {
     for f in files {
         inspect(&f, &expect).unwrap();
     }
+}
+
+/// A prefill host that goes silent mid-stream (no segment, no seal, the connection open): the
+/// decode host gives up at its own idle deadline and says so, not "os error 11".
+#[test]
+fn a_silent_prefill_host_is_named_as_silent() {
+    let prompt = 6 * BLOCK;
+    let (w, inputs, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(30)).unwrap();
+    let producer = prefill(&server, w.clone(), inputs, prompt, Some(300));
+    let dir = temp_dir("silent");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_millis(800), &IngestControl::default(), |_| {});
+    producer.join().unwrap();
+    assert_eq!(got.blocks, 2);
+    let err = got.outcome.unwrap_err().to_string();
+    assert!(err.contains("the prefill host sent nothing for 800ms (the decode host's idle deadline)"), "{err}");
+    assert!(!err.contains("os error"), "{err}");
 }
 
 #[test]

@@ -13,7 +13,8 @@ use pd_bridge_core::block::layout::LayerView;
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::pooler::ArrayView;
 use pd_bridge_core::segment::Segment;
-use pd_bridge_core::stream::{ingest, IngestControl, Pull, SegmentServer, ServerConfig};
+use pd_bridge_core::ingest::{ingest, IngestControl, Pull};
+use pd_bridge_core::segment_server::{SegmentServer, ServerConfig};
 use pd_bridge_core::wire::secure::{self, Hello};
 use pd_bridge_core::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, PromptDigest, Seal, SegmentReader};
 use pd_bridge_core::{CoreError, OmlxFormat};
@@ -45,7 +46,7 @@ fn server(cfg: ServerConfig) -> SegmentServer {
 }
 
 /// Register capture `rid` and fill it: two segments and a complete seal.
-fn capture(srv: &SegmentServer, rid: &str, s: &CaptureSecret) -> Arc<pd_bridge_core::stream::Outbox> {
+fn capture(srv: &SegmentServer, rid: &str, s: &CaptureSecret) -> Arc<pd_bridge_core::segment_server::Outbox> {
     let ob = srv.outbox(rid, s, FP, &prompt()).unwrap();
     assert!(ob.push(seg(rid, 0)) && ob.push(seg(rid, 1)));
     ob.seal(Seal::Complete { blocks: 2, tokens: 16 });
@@ -120,7 +121,7 @@ fn fake_server(answer: impl Fn(&mut TcpStream, &Hello) + Send + 'static) -> Sock
     addr
 }
 
-fn ingest_from(addr: SocketAddr, dir: &std::path::Path) -> pd_bridge_core::stream::Ingested {
+fn ingest_from(addr: SocketAddr, dir: &std::path::Path) -> pd_bridge_core::ingest::Ingested {
     let tokens: Vec<u32> = (0..16).collect();
     let writer = BlockWriter::new(dir, "/m", 8, &tokens).unwrap();
     let s = secret(0x11);

@@ -305,7 +305,7 @@ fn carry_state<'py>(py: Python<'py>, weights: &Weights, path: std::path::PathBuf
 #[pyclass(frozen, module = "pd_bridge_omlx._native")]
 #[derive(Default)]
 struct IngestControl {
-    inner: pd_bridge_core::stream::IngestControl,
+    inner: pd_bridge_core::ingest::IngestControl,
 }
 
 #[pymethods]
@@ -374,14 +374,14 @@ fn ingest(
             return Err(PdBridgeError::new_err(format!("cannot resolve {host}:{port}: no address")));
         }
         let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
-        let own = pd_bridge_core::stream::IngestControl::default();
+        let own = pd_bridge_core::ingest::IngestControl::default();
         let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
         // The core's events during the stream carry the request id (logging::request_span).
         let span = pd_bridge_bindings::logging::request_span(request_id);
         let secret = pd_bridge_core::wire::CaptureSecret::from_hex(secret).map_err(to_py)?;
         let w = &writer.inner;
         let limits = w.plan().map(|plan| pd_bridge_core::wire::FrameLimits::for_plan(plan, w.format(), w.block_size())).unwrap_or_default();
-        let pull = pd_bridge_core::stream::Pull {
+        let pull = pd_bridge_core::ingest::Pull {
             addrs,
             token: &token,
             secret: &secret,
@@ -392,7 +392,7 @@ fn ingest(
             timeout,
         };
         let got = py.detach(|| span.in_scope(|| {
-            pd_bridge_core::stream::ingest(&pull, w, control_ref, |i| {
+            pd_bridge_core::ingest::ingest(&pull, w, control_ref, |i| {
                 if let Some(cb) = &on_block {
                     Python::attach(|py| {
                         if let Err(e) = cb.call1(py, (i,)) {

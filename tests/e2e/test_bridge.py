@@ -203,16 +203,17 @@ def test_chat_and_streaming_carry_the_verdict(model, bridged, native):
 
 
 def test_concurrent_bridges_while_health_answers(model, bridged):
-    # Two different prompts, and the first one twice: identical blocks written at the same time.
-    made = [O.prompt_of_tokens(model.omlx_dir, LONG, seed=s) for s in (21, 22)]
-    prompts = [made[0][0], made[1][0], made[0][0]]
+    # Three different prompts, and the first one twice (identical blocks written at the same
+    # time): as many bridges as PD_BRIDGE_MAX_BRIDGES (4) admits, so each verdict is determined.
+    made = [O.prompt_of_tokens(model.omlx_dir, LONG, seed=s) for s in (21, 22, 23)]
+    prompts = [made[0][0], made[1][0], made[2][0], made[0][0]]
     results: dict[int, tuple] = {}
     completed_before = status(bridged)["counters"]["verdicts"]["complete"]
 
     def run(i):
         results[i] = E.completion(bridged, prompts[i], max_tokens=ANSWER_TOKENS)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     health = []
@@ -226,17 +227,17 @@ def test_concurrent_bridges_while_health_answers(model, bridged):
         t.join()
     assert len(health) >= 3, "the bridged requests finished before /health could be polled"
     assert max(health) < 5.0, f"/health and /v1/models stalled for {max(health):.1f}s during bridges"
-    for i in range(2):
+    for i in range(len(made)):
         resp, headers, _ = results[i]
         assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792", (i, headers["x-pd-bridge"])
         assert E.cached_tokens(resp) == 1792
-    dup, dup_headers, _ = results[2]
+    dup, dup_headers, _ = results[len(made)]
     # The duplicate bridged too, or found the first one's blocks already there.
     assert dup_headers["x-pd-bridge"].startswith(("complete; blocks=7", 'native; reason="prefix cached')), dup_headers["x-pd-bridge"]
     assert E.cached_tokens(dup) == 1792 and answer(dup)
     for _, ids in made:
         assert_faithful(model, bridged, ids, 1792)
-    assert status(bridged)["counters"]["verdicts"]["complete"] - completed_before >= 2
+    assert status(bridged)["counters"]["verdicts"]["complete"] - completed_before >= len(made)
     assert_all_blocks_valid(bridged)
 
 

@@ -8,7 +8,7 @@ use half::bf16;
 use pd_bridge_core::capture::{Capture as CoreCapture, DeviceInput, Input};
 use pd_bridge_core::segment::Segment;
 use sha2::{Digest, Sha256};
-use pd_bridge_core::stream::{Outbox, SegmentServer as CoreSegmentServer, ServerConfig};
+use pd_bridge_core::segment_server::{Outbox, SegmentServer as CoreSegmentServer, ServerConfig};
 use pd_bridge_core::wire::{CaptureSecret, PromptDigest, Seal};
 use pd_bridge_bindings::buffer::{with_bf16, ByteView};
 use pd_bridge_bindings::{guard, to_py, ConfigError, InputError};

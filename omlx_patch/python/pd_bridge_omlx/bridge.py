@@ -67,31 +67,43 @@ def public_reason(text: str, hosts: tuple[str, ...] = ()) -> str:
 class _Slot:
     """One admitted bridge: released when the bridge is done *and* every I/O job it started has
     returned (a prefill request stuck on a stalled host keeps holding its thread, so it keeps
-    holding the slot)."""
+    holding the slot). Given back exactly once, whatever order its parts end in
+    (tests/decode/test_bridge_slots.py tries every order)."""
 
     def __init__(self, slots: "_Slots") -> None:
         self._slots = slots
         self._lock = threading.Lock()
         self._parts = 1  # the bridge itself, until done()
+        self._bridge_done = False
+        self._given_back = False
 
     def hold(self, fut: concurrent.futures.Future) -> None:
         with self._lock:
+            if self._given_back:
+                # Work started after the slot went back would run unaccounted: refuse it.
+                raise RuntimeError("a bridge started I/O after its slot was given back")
             self._parts += 1
         fut.add_done_callback(lambda _f: self._release())
 
     def done(self) -> None:
+        with self._lock:
+            if self._bridge_done:
+                return
+            self._bridge_done = True
         self._release()
 
     def _release(self) -> None:
         with self._lock:
             self._parts -= 1
-            last = self._parts == 0
+            last = self._parts == 0 and not self._given_back
+            self._given_back |= last
         if last:
             self._slots._give_back()
 
 
 class _Slots:
-    """At most ``limit`` bridges in flight; taking a slot never waits."""
+    """At most ``limit`` bridges in flight; taking a slot never waits. The count moves only under
+    its lock, never past the limit and never below zero."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -107,6 +119,9 @@ class _Slots:
 
     def _give_back(self) -> None:
         with self._lock:
+            if self._held == 0:
+                logger.error("pd-bridge: a bridge slot was given back twice (a bug); the count stays at zero")
+                return
             self._held -= 1
 
     @property
