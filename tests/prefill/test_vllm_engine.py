@@ -517,14 +517,23 @@ def test_malformed_or_mismatched_capture_still_completes(run):
         assert max(abs(ref[t] - top[t]) for t in common) < 0.05, (label, ref, top)
 
 
-def test_version_gate_names_the_supported_versions(monkeypatch):
+def test_version_gate_names_what_is_missing(monkeypatch):
+    """An untested vLLM whose MLA hook point differs is refused naming module, class, method and
+    both signatures, and the tested versions."""
     import vllm
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention
 
-    from pd_bridge_vllm import tap
+    from pd_bridge_vllm import tap, versions
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    with pytest.raises(tap.UnsupportedVLLM, match=r"supports vLLM 0\.26\.0, 0\.32\.0; this is vLLM 0\.99\.0"):
+    monkeypatch.setattr(versions, "_accepted", {})
+    monkeypatch.setattr(DeepseekV2MLAAttention, "forward", lambda self, positions, x, llama_4_scaling=None: x)
+    with pytest.raises(tap.UnsupportedVLLM) as e:
         tap.install()
+    text = str(e.value)
+    assert "vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward" in text, text
+    assert "expected forward(self, positions, hidden_states, llama_4_scaling), found forward(self, positions, x, llama_4_scaling)" in text, text
+    assert "0.26.0" in text and "0.32.0" in text and "0.99.0" in text, text
 
 
 if __name__ == "__main__":

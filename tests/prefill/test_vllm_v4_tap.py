@@ -162,15 +162,20 @@ def test_layer_of_reads_the_v4_prefix():
 
 
 def test_version_gate_covers_the_v4_adapter(monkeypatch):
+    """A vLLM whose V4 hook point does not conform is refused naming what differs, whatever its
+    version string says; nothing is wrapped."""
     import vllm
     from vllm.models.deepseek_v4.attention import DeepseekV4Attention
 
-    from pd_bridge_vllm import tap
+    from pd_bridge_vllm import tap, versions
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(tap.UnsupportedVLLM, match=r"supports vLLM 0\.26\.0, 0\.32\.0; this is vLLM 0\.33\.0"):
+    monkeypatch.setattr(versions, "_accepted", {})
+    monkeypatch.setattr(DeepseekV4Attention, "forward", lambda self, positions, x, llama_4_scaling=None: x)
+    missing = r"DeepseekV4Attention\.forward: expected forward\(self, positions, hidden_states, llama_4_scaling\), found forward\(self, positions, x, llama_4_scaling\)"
+    with pytest.raises(tap.UnsupportedVLLM, match=missing):
         tap.install_v4()
-    with pytest.raises(tap.UnsupportedVLLM):
+    with pytest.raises(tap.UnsupportedVLLM, match=missing):
         tap.install()
     assert not getattr(DeepseekV4Attention.forward, "__pd_bridge_tap__", False)
 

@@ -1,8 +1,10 @@
 """The model tap: hands each attention layer's attention input to the capture.
 
-Where it hooks, per supported vLLM version, is the table in ``versions.py`` (0.26.0 and 0.32.0);
-any other version is refused naming those. For vLLM 0.32.0 (0.26.0: the same classes; no V4
-platform subclass overrides ``forward`` there):
+Which vLLM it accepts, and where it hooks, is ``versions.py``. The bridge checks at start that the
+hooked classes and ``forward`` signatures below are there; a vLLM where they are not is refused,
+naming what is missing. A conforming vLLM that is not a tested one (0.26.0, 0.32.0) runs with one
+warning. The hook points are the same in vLLM 0.26–0.34. For vLLM 0.32.0 (0.26.0: the same
+classes; no V4 platform subclass overrides ``forward`` there):
 
 - DeepSeek-V2/V3 (MLA): wraps, at the class level,
   ``vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward(positions,
@@ -35,7 +37,7 @@ logger = logging.getLogger("vllm.pd_bridge")  # a child of vLLM's logger: its ha
 from . import versions
 from .versions import UnsupportedVLLM  # noqa: F401  (raised by check_version)
 
-SUPPORTED_VLLM = tuple(v for e in versions.SUPPORTED for v in e.versions)
+SUPPORTED_VLLM = tuple(v for e in versions.TESTED for v in e.versions)  # the tested ones: no warning
 _MARK = "__pd_bridge_tap__"
 _BUSY = "_pd_bridge_in_forward"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
@@ -55,10 +57,10 @@ def vllm_version() -> str:
 
 
 def check_version() -> str:
-    """This vLLM's version; UnsupportedVLLM (naming the supported ones) for any other."""
-    v = vllm_version()
-    versions.check(v)
-    return v
+    """This vLLM's version once its hook points conform (an untested one warns once);
+    UnsupportedVLLM naming what is missing otherwise."""
+    versions.check()
+    return vllm_version()
 
 
 def _target():
@@ -72,10 +74,7 @@ def installed() -> bool:
     try:
         import sys
 
-        e = versions.lookup(vllm_version())
-        if e is None:
-            return False
-        mod, cls = e.mla_attention
+        mod, cls = versions.check().mla_attention
         m = sys.modules.get(mod)
         return m is not None and getattr(getattr(m, cls).forward, _MARK, False)
     except Exception:  # pragma: no cover - defensive
@@ -195,10 +194,10 @@ def install_v4() -> list[str]:
 def v4_installed() -> bool:
     import sys
 
-    e = versions.lookup(vllm_version())
-    if e is None:
+    try:
+        mod_name, cls_name = versions.check().v4_attention
+    except UnsupportedVLLM:
         return False
-    mod_name, cls_name = e.v4_attention
     mod = sys.modules.get(mod_name)
     return mod is not None and getattr(getattr(mod, cls_name).__dict__.get("forward"), _MARK, False)
 

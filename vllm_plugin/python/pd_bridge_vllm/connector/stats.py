@@ -13,8 +13,9 @@ periodic stats line and feeds ``PdBridgePromMetrics.observe`` (Prometheus):
 - ``vllm:pd_bridge_blocks_total``, ``vllm:pd_bridge_bytes_total``: blocks and wire bytes shipped;
 - ``vllm:pd_bridge_seal_latency_seconds``: histogram of the seal latency.
 
-The figures live in ``data`` (lists, serializable), which both supported vLLMs ship (0.32 through
-``to_dict()``, 0.26 reading ``data``).
+The figures live in ``data`` (lists, serializable), which every vLLM the bridge accepts ships: from
+0.30 through ``KVConnectorStats.to_dict()``, before that by reading ``data`` (``versions.py``:
+trait ``stats_payload``).
 """
 
 from __future__ import annotations
