@@ -15,8 +15,9 @@ never have computed. Here, with the tiny MLA model and a real ``omlx serve`` rea
   block names: oMLX starts (its scan opens no FIFO), the rescan answers promptly, refuses each
   naming why and moves it aside; the bridge's writer then writes the real blocks on those names
   and oMLX serves them;
-- a temp file a crashed writer left is removed when oMLX sets up its cache directory; a live
-  writer's is not.
+- a temp file a crashed writer left is removed when oMLX sets up its cache directory (one whose
+  writer's lock is gone at once, whatever pid its name holds); a live writer's (its lock held)
+  is not.
 
 Segments are built here from the core's own cache of MLX's attention inputs (the prefill host's
 math), as the wire would carry them: the oMLX wheel's ``BlockWriter.write_segment`` takes the
@@ -25,6 +26,7 @@ payload bytes.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -308,15 +310,27 @@ def test_stale_temp_files_are_removed_when_omlx_sets_up_its_cache(run, tmp_path)
     stale = sub / f".{stem}.{dead}.0.pd-tmp"
     stale.write_bytes(b"half a block")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    live = sub / f".{stem}.{os.getpid()}.1.pd-tmp"  # this test process: a writer that is alive
+    # A live writer holds flock(LOCK_EX) on its temp file until the rename: this test process
+    # plays one, under a pid that is not alive there (a writer in another pid namespace).
+    live = sub / f".{stem}.{dead}.1.pd-tmp"
     live.write_bytes(b"being written")
+    os.utime(live, (time.time() - 120, time.time() - 120))
+    # A writer SIGKILLed seconds ago: its pid in the name is alive (this process), its lock is
+    # gone with it; removed at once, not a minute later.
+    killed = sub / f".{stem}.{os.getpid()}.2.pd-tmp"
+    killed.write_bytes(b"half a block")
+    os.utime(killed, (time.time() - 5, time.time() - 5))
     omlx_tmp = sub / f"{stem}_tmp.safetensors"  # oMLX's own temp name: never ours to touch
     omlx_tmp.write_bytes(b"oMLX writing")
-    with omlx_server.serve(r.root, cache, tmp_path / "home", model=MODEL, extra_env=BRIDGE_ENV) as s:
-        log = s.log_path.read_text(errors="replace")
-        health = omlx_server._request(f"{s.base_url}/health", timeout=10)
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with omlx_server.serve(r.root, cache, tmp_path / "home", model=MODEL, extra_env=BRIDGE_ENV) as s:
+            log = s.log_path.read_text(errors="replace")
+            health = omlx_server._request(f"{s.base_url}/health", timeout=10)
     assert health is not None
     assert not stale.exists(), "the crashed writer's temp file survived oMLX's start"
+    assert not killed.exists(), "the killed writer's unlocked temp file survived oMLX's start"
     assert live.exists() and omlx_tmp.exists()
-    assert f"removed stale block temp file {stale}" in log, [l for l in log.splitlines() if "temp" in l]
+    for gone in (stale, killed):
+        assert f"removed stale block temp file {gone}" in log, [l for l in log.splitlines() if "temp" in l]
     shutil.rmtree(cache)

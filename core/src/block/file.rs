@@ -122,7 +122,8 @@ impl PendingBlock {
         let PendingBlock { file, tmp, path, size } = self;
         let result = (|| -> std::io::Result<()> {
             file.sync_all()?;
-            drop(file);
+            // The file (and its lock) is closed only after the rename: an unlocked temp file
+            // is one a sweep may remove.
             std::fs::rename(&tmp, &path)?;
             if let Some(dir) = path.parent() {
                 if let Ok(d) = File::open(dir) {
@@ -135,6 +136,7 @@ impl PendingBlock {
             let _ = std::fs::remove_file(&tmp);
             CoreError::io(&path, e)
         });
+        drop(file);
         track(&tmp, false);
         out
     }
@@ -190,14 +192,59 @@ fn process_alive(pid: u32) -> bool {
     r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
-/// A dead writer's temp file younger than this is left alone: its pid may belong to another
-/// pid namespace sharing the directory, where the writer is alive.
+/// A dead writer's temp file younger than this is left alone when its writer's lock cannot be
+/// checked: its pid may belong to another pid namespace sharing the directory, where the writer
+/// is alive.
 const DEAD_OWNER_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// An unlocked temp file younger than this is left alone: its writer may be between creating it
+/// and locking it (see [`writer_lock`]).
+const UNLOCKED_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether a writer holds the lock on a temp file.
+enum Lock {
+    /// A live process (in any pid namespace) holds it: the file is being written.
+    Held,
+    /// Nobody held it: its writer closed it or died (a process's death releases its locks). The
+    /// file holds the lock now, until it is dropped.
+    Free(#[allow(dead_code)] File),
+    /// Not checked (cannot open it, not a regular file, no `flock` on this file system).
+    Unknown,
+}
+
+/// Every writer holds `flock(LOCK_EX)` on its temp file from creating it until it is renamed
+/// into place or removed. The lock, unlike the pid in the name, proves a writer alive across pid
+/// namespaces, and the kernel drops it when the writer dies (SIGKILL included): so a killed
+/// writer's file can go at once instead of after [`DEAD_OWNER_GRACE`].
+fn writer_lock(path: &Path, lstat: &std::fs::Metadata) -> Lock {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    use std::os::unix::io::AsRawFd;
+    if !lstat.file_type().is_file() {
+        return Lock::Unknown;
+    }
+    // O_NOFOLLOW: never through a link swapped in; O_NONBLOCK: never wait on a FIFO.
+    let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC).open(path) else {
+        return Lock::Unknown;
+    };
+    match f.metadata() {
+        Ok(m) if m.file_type().is_file() && m.ino() == lstat.ino() && m.dev() == lstat.dev() => {}
+        _ => return Lock::Unknown,
+    }
+    // SAFETY: flock on an fd this function owns; closing `f` releases what it takes.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Lock::Free(f)
+    } else if std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Lock::Held
+    } else {
+        Lock::Unknown
+    }
+}
+
 /// Remove the block writer's temporary files that a crashed writer left in `cache_dir`'s block
-/// subdirectories: only names of the writer's own pattern, never one this process is writing;
-/// one whose writing process is gone (and older than a minute), or any older than `max_age`.
-/// Returns what was removed (each logged).
+/// subdirectories: only names of the writer's own pattern, never one this process is writing nor
+/// one whose writer's lock is held; one no writer holds (older than a couple of seconds), or,
+/// where the lock cannot be checked, one whose writing process is gone (and older than a
+/// minute); and any older than `max_age`. Returns what was removed (each logged).
 pub fn clean_stale_temps(cache_dir: &Path, max_age: std::time::Duration) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let Ok(subdirs) = std::fs::read_dir(cache_dir) else { return removed };
@@ -220,18 +267,25 @@ pub fn clean_stale_temps(cache_dir: &Path, max_age: std::time::Duration) -> Vec<
             }
             let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
             // Our own pid here is a previous process's (a restart that reused it): not in flight.
-            let gone = owner == std::process::id() || !process_alive(owner);
+            let ours = owner == std::process::id();
+            // Held until the removal, so no writer can take it in between.
+            let lock = if age > max_age { Lock::Unknown } else { writer_lock(&path, &meta) };
             let why = if age > max_age {
                 format!("older than {}s", max_age.as_secs())
-            } else if gone && (owner == std::process::id() || age > DEAD_OWNER_GRACE) {
-                format!("its writer (pid {owner}) is gone")
             } else {
-                continue;
+                match &lock {
+                    Lock::Held => continue,
+                    Lock::Free(_) if ours || age >= UNLOCKED_GRACE => format!("no writer holds its lock (pid {owner} in its name)"),
+                    Lock::Free(_) => continue,
+                    Lock::Unknown if ours || (age > DEAD_OWNER_GRACE && !process_alive(owner)) => format!("its writer (pid {owner}) is gone"),
+                    Lock::Unknown => continue,
+                }
             };
             if std::fs::remove_file(&path).is_ok() {
                 tracing::info!(file = %path.display(), reason = %why, "removed a stale block temp file");
                 removed.push(path);
             }
+            drop(lock);
         }
     }
     removed
@@ -249,7 +303,13 @@ pub fn write_pending(path: &Path, tensors: &[Tensor<'_>], metadata: &[(String, S
     track(&tmp, true);
     let result = (|| -> std::io::Result<(File, u64)> {
         // create_new: never write through a link or a file someone planted on the temp name.
-        let mut w = BufWriter::with_capacity(1 << 20, std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?);
+        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        // Held until the rename or removal (the file stays open in the pending block): a sweep
+        // in any process keeps a locked temp file, and a writer's death releases the lock. Best
+        // effort: without flock here, a sweep falls back to the pid in the name.
+        // SAFETY: flock on the fd `file` owns.
+        unsafe { libc::flock(std::os::unix::io::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+        let mut w = BufWriter::with_capacity(1 << 20, file);
         let head = header(tensors, metadata);
         w.write_all(&head)?;
         let mut size = head.len() as u64;

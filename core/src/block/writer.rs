@@ -26,7 +26,8 @@ use crate::plan::ModelPlan;
 use crate::pooler::LayerState;
 use crate::segment::Segment;
 
-/// A temp file this old has no writer, whatever its name says (a block is written in seconds).
+/// A temp file this old has no writer, whatever its name or its lock says (a block is written in
+/// seconds; a lock a forked child inherited could outlive the writer).
 pub const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
 /// Cache directories this process has swept for stale temp files.

@@ -9,6 +9,12 @@ variable: oMLX's handler tasks inherit it from the middleware's context. A non-s
 ``/v1/completions`` with a list of prompts waits for every prompt's verdict (oMLX streams only the
 first prompt of a list).
 
+A request whose JSON holds a lone UTF-16 surrogate (``"\\ud800"``: valid JSON, not valid Unicode)
+makes oMLX's own handler raise while tokenizing it (the fork and upstream alike answer HTTP 500
+without the bridge). When oMLX raises on such a request before any response started, the
+middleware answers HTTP 400 in oMLX's own error format instead, with a ``native`` verdict naming
+why (and logs oMLX's exception); any answer oMLX does give (200 or 4xx) passes unchanged.
+
 The bridge's own routes (everything under ``/pd-bridge/``) pass oMLX's own API-key check first,
 ``verify_api_key`` of the versions table's server module: with ``--api-key`` set, a request
 without the key, or with a wrong one, gets exactly the answer oMLX gives on its own routes.
@@ -62,6 +68,44 @@ async def _api_key_refusal(scope, receive):
         response = handler(request, exc)
         return await response if inspect.isawaitable(response) else response
     return None
+
+
+async def _omlx_http_error(scope, receive, status: int, detail: str):
+    """The response oMLX itself gives for ``HTTPException(status, detail)`` on this route (its
+    app's exception handler: the OpenAI error body on API routes, and its log line)."""
+    from fastapi import HTTPException
+    from starlette.requests import Request
+
+    exc = HTTPException(status_code=status, detail=detail)
+    request = Request(scope, receive)
+    server = importlib.import_module(versions.detect().server)
+    handlers = getattr(getattr(server, "app", None), "exception_handlers", {}) or {}
+    handler = handlers.get(status) or next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
+    if handler is None:
+        from fastapi.exception_handlers import http_exception_handler as handler
+    response = handler(request, exc)
+    return await response if inspect.isawaitable(response) else response
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON body holds a string (or key) with a lone UTF-16 surrogate: JSON's ``\\ud800``
+    escapes (or their CESU bytes, which ``json.loads`` lets through) that pair with nothing, so
+    the text is not valid Unicode and cannot be encoded to UTF-8 for the tokenizer."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    try:
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return False
+
+
+#: The 400's message and the verdict's reason (no backslash or comma: the verdict header quotes neither).
+LONE_SURROGATE = "the request holds a lone UTF-16 surrogate in a string: not valid Unicode; it cannot be tokenized"
 
 
 async def _read_body(receive):
@@ -124,10 +168,8 @@ class VerdictMiddleware:
         if method != "POST" or path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
 
-        expected = 1
-        if path == "/v1/completions":
-            body, receive = await _read_body(receive)
-            expected = _prompts_served(body)
+        body, receive = await _read_body(receive)
+        expected = _prompts_served(body) if path == "/v1/completions" else 1
         slot = VerdictSlot(expected)
         since = time.monotonic()
         held: list[dict] = []
@@ -178,6 +220,21 @@ class VerdictMiddleware:
         watcher = asyncio.ensure_future(releaser())
         try:
             await self.app(scope, receive, send_with_verdict)
+        except Exception as exc:
+            # oMLX raised before any response (its own answer would be a bare 500): for a body
+            # that is not valid Unicode, a client error that says so. Anything else propagates.
+            async with lock:
+                answer = not released and not held and _has_lone_surrogate(body)
+            if not answer:
+                raise
+            logger.warning("pd-bridge: %s %s: oMLX failed on a request holding a lone UTF-16 surrogate (%s: %s); answering HTTP 400",
+                           method, path, type(exc).__name__, exc, exc_info=exc)  # fmt: skip
+            if not slot.verdicts:
+                verdict = native(f"{LONE_SURROGATE} (HTTP 400)")
+                COUNTERS.record(verdict)
+                slot.verdicts.append(verdict)
+            response = await _omlx_http_error(scope, receive, 400, LONE_SURROGATE)
+            await response(scope, receive, send_with_verdict)
         finally:
             current_slot.reset(token)
             watcher.cancel()
