@@ -186,7 +186,7 @@ fn everything_at_once() {
         }
         Some(why) => assert!(why.contains("not reading fast enough"), "{why}"),
     }
-    for (o, ok) in [(&idle, &["dropped unpulled", "not pulled within", "sealed but not pulled"][..]), (&burst, &["dropped unpulled", "not reading fast enough", "not pulled within"][..])] {
+    for (o, ok) in [(&idle, &["dropped unpulled", "not pulled within", "sealed but not pulled"][..]), (&burst, &["dropped unpulled", "not pulled within"][..])] {
         if let Some(why) = o.closed_reason() {
             assert!(ok.iter().any(|k| why.contains(k)), "{}: {why}", o.request_id());
         }
@@ -205,8 +205,12 @@ fn everything_at_once() {
 
 #[test]
 fn push_pull_close_evict_expire_and_seal_in_any_order_keep_the_counts() {
-    shuttle::check_pct(everything_at_once, 3_000, 3);
-    shuttle::check_random(everything_at_once, 3_000);
+    // A loaded run's PCT once found an unpulled capture closing itself saying its decode host
+    // was "not reading fast enough" (nobody was reading it; another push had charged between
+    // its eviction and its check). Schedules do not replay across code changes: search wide.
+    shuttle::check_pct(everything_at_once, 10_000, 3);
+    shuttle::check_pct(everything_at_once, 5_000, 5);
+    shuttle::check_random(everything_at_once, 10_000);
 }
 
 /// Connection slots: never more open than the cap, even for a moment, and all back at the end.

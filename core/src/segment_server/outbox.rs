@@ -94,12 +94,21 @@ impl Outbox {
                 outboxes.evict();
             }
             if memory.over() {
-                let mine = self.queued_bytes();
-                self.close(format!(
-                    "the decode host is not reading fast enough: {} MiB queued for it, the prefill host's segment memory bound ({} MiB) is full",
-                    mine >> 20,
-                    memory.bound() >> 20
-                ));
+                // Still over (pulled streams hold it, or another push charged since the
+                // eviction): this stream, the one growing, gives up, saying which case it is.
+                let (mine, pulled) = {
+                    let s = self.lock();
+                    (s.queued_bytes, s.pulled)
+                };
+                self.close(if pulled {
+                    format!(
+                        "the decode host is not reading fast enough: {} MiB queued for it, the prefill host's segment memory bound ({} MiB) is full",
+                        mine >> 20,
+                        memory.bound() >> 20
+                    )
+                } else {
+                    format!("dropped unpulled: nobody had pulled it and the prefill host's segment memory bound ({} MiB) is full", memory.bound() >> 20)
+                });
             }
         }
         !self.is_closed()
