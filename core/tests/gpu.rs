@@ -247,3 +247,76 @@ fn flash_sized_layers_match_cpu() {
         }
     }
 }
+
+/// The kernels compile for every GPU users prefill with (NVRTC at run time, so one wheel serves
+/// them all): Hopper, datacenter and consumer Blackwell, and the DGX Spark's GB10 (sm_121). Only
+/// the host's own architecture can be loaded and run here (the other tests do).
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and NVRTC")]
+fn kernels_compile_for_every_target_arch() {
+    #[cfg(feature = "cuda")]
+    {
+        let stack = cuda::probe();
+        eprintln!("CUDA stack: {stack:?}");
+        if stack.nvrtc_version.is_none() {
+            eprintln!("SKIPPED: no NVRTC on this host ({:?})", stack.problems);
+            return;
+        }
+        for arch in cuda::TARGET_ARCHS {
+            let t0 = std::time::Instant::now();
+            let ptx = cuda::compile_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let sm = arch.replace("compute_", "sm_");
+            assert!(ptx.contains(&format!(".target {sm}")), "{arch}: no .target {sm} in the PTX");
+            for k in ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows", "copy_rows"] {
+                assert!(ptx.contains(&format!(".entry {k}")), "{arch}: no kernel {k}");
+            }
+            eprintln!("{arch}: {} bytes of PTX in {:?}", ptx.len(), t0.elapsed());
+        }
+        if device() {
+            let d = cuda::GpuDevice::get(0).unwrap();
+            eprintln!("loaded on {} (the other GPU tests run them)", d.name);
+        }
+    }
+}
+
+/// Without NVRTC's builtins library beside libnvrtc the compile fails, and the error names the
+/// library and the fix (not NVRTC's bare BUILTIN_OPERATION_FAILURE). The test runs itself with a
+/// library path that holds a copy of libnvrtc alone.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and NVRTC")]
+fn a_missing_nvrtc_builtins_library_is_named_with_its_fix() {
+    #[cfg(feature = "cuda")]
+    {
+        if std::env::var_os("PD_BRIDGE_CHILD_NO_BUILTINS").is_some() {
+            let e = cuda::compile_kernels("compute_90").expect_err("compiled without the builtins library").to_string();
+            assert!(e.contains("libnvrtc-builtins") && e.contains("LD_LIBRARY_PATH") && e.contains("nvidia-cuda-nvrtc"), "{e}");
+            println!("CHILD-SAW: {e}");
+            return;
+        }
+        let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        let lib = dirs.split(':').filter(|d| !d.is_empty()).find_map(|d| {
+            std::fs::read_dir(d).ok()?.flatten().map(|e| e.path()).find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc.so.")))
+        });
+        let Some(lib) = lib else {
+            eprintln!("SKIPPED: no libnvrtc.so.* on LD_LIBRARY_PATH to copy alone");
+            return;
+        };
+        let alone = common::temp_dir("nvrtc-alone");
+        for name in ["libnvrtc.so", "libnvrtc.so.13"] {
+            std::fs::copy(&lib, alone.join(name)).unwrap();
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_missing_nvrtc_builtins_library_is_named_with_its_fix", "--nocapture", "--test-threads=1"])
+            .env("PD_BRIDGE_CHILD_NO_BUILTINS", "1")
+            .env("LD_LIBRARY_PATH", &alone)
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if text.contains("compiled without the builtins library") {
+            eprintln!("SKIPPED: NVRTC found its builtins library outside LD_LIBRARY_PATH (the system's loader cache), so it cannot be hidden here");
+            return;
+        }
+        assert!(out.status.success() && text.contains("CHILD-SAW:"), "{text}");
+        eprintln!("{}", text.lines().find(|l| l.starts_with("CHILD-SAW")).unwrap());
+    }
+}

@@ -364,10 +364,51 @@ impl Capture {
     }
 }
 
+/// This host's CUDA stack for the doctor: driver and NVRTC versions, the architectures NVRTC can
+/// compile for, each device (name, compute capability), and what could not be read. Without the
+/// `cuda` feature: `{"built_with_cuda": False}`.
+#[pyfunction]
+fn cuda_report(py: Python<'_>) -> PyResult<Py<pyo3::types::PyDict>> {
+    guard(|| {
+        let d = pyo3::types::PyDict::new(py);
+        #[cfg(feature = "cuda")]
+        {
+            let r = py.detach(pd_bridge_core::cuda::probe);
+            d.set_item("built_with_cuda", true)?;
+            d.set_item("driver_version", r.driver_version)?;
+            d.set_item("nvrtc_version", r.nvrtc_version)?;
+            d.set_item("nvrtc_archs", r.nvrtc_archs)?;
+            d.set_item("devices", r.devices)?;
+            d.set_item("problems", r.problems)?;
+            d.set_item("target_archs", pd_bridge_core::cuda::TARGET_ARCHS.to_vec())?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        d.set_item("built_with_cuda", false)?;
+        Ok(d.unbind())
+    })
+}
+
+/// Compile the capture kernels for `arch` (`compute_90`, ...) with NVRTC, as a capture does at its
+/// first CUDA feed: the PTX's length. ConfigError naming the fix when NVRTC is missing or broken.
+#[pyfunction]
+fn compile_kernels(py: Python<'_>, arch: String) -> PyResult<usize> {
+    guard(|| {
+        #[cfg(feature = "cuda")]
+        {
+            py.detach(|| pd_bridge_core::cuda::compile_kernels(&arch)).map(|p| p.len()).map_err(to_py)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (py, arch);
+            Err(ConfigError::new_err("this pd-bridge-vllm was built without the cuda feature"))
+        }
+    })
+}
+
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
+    use super::{compile_kernels, cuda_report, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

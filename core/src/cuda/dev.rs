@@ -30,6 +30,107 @@ pub fn cuda_available() -> bool {
         .unwrap_or(false)
 }
 
+/// The architectures the kernels must compile for on the GPUs users prefill with: Hopper
+/// (H100/H200), datacenter Blackwell (B200), consumer Blackwell (RTX 50) and the DGX Spark's GB10.
+pub const TARGET_ARCHS: [&str; 4] = ["compute_90", "compute_100", "compute_120", "compute_121"];
+
+/// How to make NVRTC loadable, for every message that says it is not.
+const NVRTC_FIX: &str = "install CUDA 13's NVRTC (the toolkit, or `pip install nvidia-cuda-nvrtc` for CUDA 13) and put the directory holding libnvrtc.so.13 and libnvrtc-builtins.so.13.* on LD_LIBRARY_PATH";
+
+/// The kernels compiled by NVRTC for `arch` (`compute_90`, ...) with the exact-arithmetic
+/// options the CPU reference needs: PTX text. At run time, so one wheel serves every GPU.
+pub fn compile_kernels(arch: &str) -> Result<String> {
+    let arch_static: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    let opts = cudarc::nvrtc::CompileOptions {
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        fmad: Some(false),
+        arch: Some(arch_static),
+        options: vec!["-default-device".into()],
+        ..Default::default()
+    };
+    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SRC, opts))
+        .map_err(|_| CoreError::config("cuda", format!("the NVRTC library (libnvrtc.so.13) could not be loaded: {NVRTC_FIX}")))?
+        .map_err(|e| nvrtc_error(arch, e))?;
+    Ok(ptx.to_src())
+}
+
+fn nvrtc_error(arch: &str, e: cudarc::nvrtc::CompileError) -> CoreError {
+    let text = format!("{e:?}");
+    // NVRTC loads its builtins library itself, by name, at the first compile: missing, it
+    // fails every compile with this code and no hint of the file.
+    if text.contains("BUILTIN_OPERATION_FAILURE") || text.contains("nvrtc-builtins") {
+        return CoreError::config("cuda", format!("NVRTC cannot load its builtins library (libnvrtc-builtins.so.13.*) while compiling the kernels for {arch}: {NVRTC_FIX}"));
+    }
+    if text.contains("INVALID_OPTION") {
+        return CoreError::config("cuda", format!("this NVRTC cannot compile for {arch} (too old for this GPU; CUDA 13 supports {}): {text}", TARGET_ARCHS.join(", ")));
+    }
+    err(&format!("compiling the kernels for {arch}"), text)
+}
+
+/// This host's CUDA stack, as the prefill host's doctor reports it. Every field that could not
+/// be read says why in `problems`.
+#[derive(Debug, Default)]
+pub struct CudaStack {
+    /// `cuDriverGetVersion`, e.g. 13000 for CUDA 13.0.
+    pub driver_version: Option<i32>,
+    /// NVRTC's (major, minor).
+    pub nvrtc_version: Option<(i32, i32)>,
+    /// The virtual architectures this NVRTC can compile for (`sm_90` → 90).
+    pub nvrtc_archs: Vec<i32>,
+    /// Each device: name and compute capability.
+    pub devices: Vec<(String, (i32, i32))>,
+    pub problems: Vec<String>,
+}
+
+/// Read the driver, NVRTC and the devices without opening a context's kernels.
+pub fn probe() -> CudaStack {
+    let mut out = CudaStack::default();
+    match std::panic::catch_unwind(|| {
+        let mut v = 0;
+        let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+        (r, v)
+    }) {
+        Ok((sys::CUresult::CUDA_SUCCESS, v)) => out.driver_version = Some(v),
+        Ok((r, _)) => out.problems.push(format!("the CUDA driver answered {r:?}")),
+        Err(_) => out.problems.push("the CUDA driver library (libcuda.so.1) could not be loaded: install the NVIDIA driver (580 or newer for CUDA 13)".into()),
+    }
+    match std::panic::catch_unwind(|| {
+        use cudarc::nvrtc::sys as nv;
+        let (mut maj, mut min, mut n) = (0, 0, 0);
+        let ok = unsafe { nv::nvrtcVersion(&mut maj, &mut min) } == nv::nvrtcResult::NVRTC_SUCCESS;
+        let mut archs = vec![];
+        if unsafe { nv::nvrtcGetNumSupportedArchs(&mut n) } == nv::nvrtcResult::NVRTC_SUCCESS && n > 0 {
+            archs = vec![0; n as usize];
+            if unsafe { nv::nvrtcGetSupportedArchs(archs.as_mut_ptr()) } != nv::nvrtcResult::NVRTC_SUCCESS {
+                archs.clear();
+            }
+        }
+        (ok.then_some((maj, min)), archs)
+    }) {
+        Ok((v, archs)) => (out.nvrtc_version, out.nvrtc_archs) = (v, archs),
+        Err(_) => out.problems.push(format!("the NVRTC library (libnvrtc.so.13) could not be loaded: {NVRTC_FIX}")),
+    }
+    if out.driver_version.is_some() {
+        match std::panic::catch_unwind(|| -> std::result::Result<Vec<(String, (i32, i32))>, String> {
+            let n = CudaContext::device_count().map_err(|e| format!("{e:?}"))?;
+            (0..n as usize)
+                .map(|i| {
+                    let ctx = CudaContext::new(i).map_err(|e| format!("device {i}: {e:?}"))?;
+                    let cc = ctx.compute_capability().map_err(|e| format!("device {i}: {e:?}"))?;
+                    Ok((ctx.name().unwrap_or_default(), cc))
+                })
+                .collect()
+        }) {
+            Ok(Ok(d)) => out.devices = d,
+            Ok(Err(e)) => out.problems.push(format!("listing the devices: {e}")),
+            Err(_) => out.problems.push("listing the devices panicked in the driver bindings".into()),
+        }
+    }
+    out
+}
+
 /// One GPU: its primary context (the one torch uses), the compiled kernels.
 pub struct GpuDevice {
     pub(crate) ctx: Arc<CudaContext>,
@@ -72,22 +173,10 @@ impl GpuDevice {
         let (maj, min) = ctx
             .compute_capability()
             .map_err(|e| err("compute capability", e))?;
-        let arch: &'static str = Box::leak(format!("compute_{maj}{min}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions {
-            ftz: Some(false),
-            prec_sqrt: Some(true),
-            prec_div: Some(true),
-            fmad: Some(false),
-            arch: Some(arch),
-            options: vec!["-default-device".into()],
-            ..Default::default()
-        };
-        let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SRC, opts))
-            .map_err(|_| CoreError::config("cuda", "the NVRTC library could not be loaded"))?
-            .map_err(|e| err("compiling the kernels", e))?;
+        let ptx = compile_kernels(&format!("compute_{maj}{min}"))?;
         ctx.bind_to_thread()
             .map_err(|e| err("binding the context", e))?;
-        let src = CString::new(ptx.to_src()).expect("ptx has no NUL");
+        let src = CString::new(ptx).map_err(|_| CoreError::config("cuda", "NVRTC returned PTX with a NUL byte"))?;
         let mut module = std::ptr::null_mut();
         ck("loading the kernels", unsafe {
             sys::cuModuleLoadData(&mut module, src.as_ptr() as *const c_void)

@@ -24,7 +24,7 @@ pub(crate) mod capture;
 pub mod synthetic;
 
 pub use capture::{capture_times, CaptureTimes};
-pub use dev::{cuda_available, GpuDevice};
+pub use dev::{compile_kernels, cuda_available, probe, CudaStack, GpuDevice, TARGET_ARCHS};
 pub use pooler::{GpuCache, GpuModel, WindowRows};
 
 /// How the projections are computed.

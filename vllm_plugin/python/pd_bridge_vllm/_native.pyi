@@ -5,6 +5,7 @@ Importing it touches no GPU; CUDA starts lazily in the worker that first feeds a
 
 from typing_extensions import Buffer
 from os import PathLike
+from typing import Any
 
 VERSION: str
 """The wheel's version (the Rust crate's)."""
@@ -165,3 +166,11 @@ class Capture:
     def seal(self, failure: str | None = None) -> str:
         """Seal the capture (``failure``: why it stopped early, if it did); returns the verdict
         JSON. Waits for GPU chunks still in flight."""
+
+def cuda_report() -> dict[str, Any]:
+    """This host's CUDA stack: driver and NVRTC versions, NVRTC's archs, devices, problems."""
+    ...
+
+def compile_kernels(arch: str) -> int:
+    """Compile the capture kernels for ``arch`` (``compute_90``...) with NVRTC; the PTX's length."""
+    ...
