@@ -15,9 +15,9 @@ use pd_bridge_core::block::validate::{inspect_with, Expect};
 use pd_bridge_core::block::{block_path, BlockWriter};
 use pd_bridge_core::capture::Capture;
 use pd_bridge_core::segment::Segment;
-use pd_bridge_core::ingest::{ingest, IngestControl, Ingested, Pull};
+use pd_bridge_core::ingest::{IngestControl, Ingested};
 use pd_bridge_core::segment_server::SegmentServer;
-use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest, Seal};
+use pd_bridge_core::wire::{CaptureSecret, PromptDigest, Seal};
 use pd_bridge_core::{CoreError, DecoderWeights, OmlxFormat};
 
 use common::{files_under, random_rows, temp_dir, v4_model_dir, Rng};
@@ -57,18 +57,7 @@ fn serve(server: &SegmentServer, w: &DecoderWeights, id: &str, tokens: &[u32], s
 }
 
 fn pull(server: &SegmentServer, w: &DecoderWeights, id: &str, tokens: &[u32], writer: &BlockWriter) -> Ingested {
-    let s = secret(id);
-    let p = Pull {
-        addrs: vec![server.local_addr()],
-        token: b"tok",
-        secret: &s,
-        request_id: id,
-        fingerprint: &w.fingerprint,
-        prompt: PromptDigest::of(tokens),
-        limits: FrameLimits::for_plan(&w.plan, writer.format(), BLOCK),
-        timeout: Duration::from_secs(20),
-    };
-    ingest(&p, writer, &IngestControl::default(), |_| {})
+    common::pull(server, w, id, &secret(id), tokens, writer, BLOCK, Duration::from_secs(20), &IngestControl::default(), |_| {})
 }
 
 type Poison = fn(&mut Segment);

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use pd_bridge_core::block::{block_path, BlockWriter};
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::ingest::{ingest, IngestControl, Ingested, Pull};
+use pd_bridge_core::ingest::IngestControl;
 use pd_bridge_core::segment::Segment;
 use pd_bridge_core::segment_server::{SegmentServer, ServerConfig};
-use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest, Seal};
+use pd_bridge_core::wire::{CaptureSecret, PromptDigest, Seal};
 use pd_bridge_core::{CoreError, DecoderWeights, OmlxFormat};
 
 use common::{random_rows, temp_dir, v4_model_dir, Rng};
@@ -83,21 +83,6 @@ fn prompts(w: &Arc<DecoderWeights>) -> Vec<Prompt> {
         .collect()
 }
 
-fn pull(server: &SegmentServer, w: &DecoderWeights, id: &str, i: usize, tokens: &[u32], writer: &BlockWriter, control: &IngestControl, mut on_block: impl FnMut(usize)) -> Ingested {
-    let s = secret(i);
-    let p = Pull {
-        addrs: vec![server.local_addr()],
-        token: b"tok",
-        secret: &s,
-        request_id: id,
-        fingerprint: &w.fingerprint,
-        prompt: PromptDigest::of(tokens),
-        limits: FrameLimits::for_plan(&w.plan, writer.format(), BLOCK),
-        timeout: Duration::from_secs(30),
-    };
-    ingest(&p, writer, control, |b| on_block(b))
-}
-
 /// Wait until the server has let go of everything (its connection threads end on their own).
 fn settle(server: &SegmentServer, round: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -162,7 +147,7 @@ fn many_captures_at_once_each_fail_or_succeed_alone_and_the_server_returns_to_ze
                 readers.push(Some(sc.spawn(move || {
                     let writer = BlockWriter::with_format(OmlxFormat::Upstream063, dir, "m", BLOCK, &p.tokens).unwrap().with_plan(&w.plan).unwrap();
                     let control = IngestControl::default();
-                    let got = pull(server, w, &id, i, &p.tokens, &writer, &control, |_| match k {
+                    let got = common::pull(server, w, &id, &secret(i), &p.tokens, &writer, BLOCK, Duration::from_secs(30), &control, |_| match k {
                         Kind::Healthy(ms) => std::thread::sleep(Duration::from_millis(ms)),
                         Kind::Cancelled => control.cancel(),
                         _ => {}

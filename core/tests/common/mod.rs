@@ -148,3 +148,31 @@ pub fn assert_same_block(a: &Path, b: &Path) {
     };
     assert!(strip(a) == strip(b), "{} and {} differ", a.display(), b.display());
 }
+
+/// Pull capture `id` from `server` with the token `tok` and `secret` into `writer`, as a decode
+/// host does (blocks of `block` tokens, `timeout` for each wait).
+#[allow(clippy::too_many_arguments)]
+pub fn pull(
+    server: &pd_bridge_core::segment_server::SegmentServer,
+    w: &pd_bridge_core::DecoderWeights,
+    id: &str,
+    secret: &pd_bridge_core::wire::CaptureSecret,
+    tokens: &[u32],
+    writer: &pd_bridge_core::block::BlockWriter,
+    block: usize,
+    timeout: std::time::Duration,
+    control: &pd_bridge_core::ingest::IngestControl,
+    on_block: impl FnMut(usize),
+) -> pd_bridge_core::ingest::Ingested {
+    let p = pd_bridge_core::ingest::Pull {
+        addrs: vec![server.local_addr()],
+        token: b"tok",
+        secret,
+        request_id: id,
+        fingerprint: &w.fingerprint,
+        prompt: pd_bridge_core::wire::PromptDigest::of(tokens),
+        limits: pd_bridge_core::wire::FrameLimits::for_plan(&w.plan, writer.format(), block),
+        timeout,
+    };
+    pd_bridge_core::ingest::ingest(&p, writer, control, on_block)
+}
