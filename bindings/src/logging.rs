@@ -1,7 +1,7 @@
 //! The core's `tracing` events into Python's `logging`.
 //!
-//! Loggers: `pd_bridge.core.<module>` for the core (`pd_bridge_core::stream` ->
-//! `pd_bridge.core.stream`), `pd_bridge.bindings` for this crate, `pd_bridge.omlx` /
+//! Loggers: `pd_bridge.core.<module>` for the core (`pd_bridge_core::segment_server` ->
+//! `pd_bridge.core.segment_server`), `pd_bridge.bindings` for this crate, `pd_bridge.omlx` /
 //! `pd_bridge.vllm` for the wheels' own events. Each record carries `request_id` (the event's
 //! `request_id` or `request` field, else the nearest enclosing span's) and `pd_bridge_fields`
 //! (every field as text); its message reads `pd-bridge[<request id>]: <message> (k=v, ...)`, as

@@ -2,7 +2,7 @@
 wheels (pd-bridge-bindings' logging bridge), and only at the levels Python's loggers let through.
 
 A real segment server (the vLLM wheel's) refuses a pull for a capture it does not have: the core
-logs that on ``pd_bridge.core.stream`` with the request id, the decode side (the oMLX wheel's
+logs that on ``pd_bridge.core.segment_server`` with the request id, the decode side (the oMLX wheel's
 ``ingest``) gets a typed ``PdBridgeError``. Loading the decoder weights logs at DEBUG on
 ``pd_bridge.core.weights``. Records are handed to Python from the bindings' own thread, so the
 test waits for them (bounded), and uses a later event as a barrier to show one that was filtered.
@@ -56,7 +56,7 @@ def test_a_core_error_reaches_logging_with_its_request_id(caplog, tmp_path):
     err = refused_pull(tmp_path, rid)
     assert type(err).__name__ in ("WireError", "AuthError"), repr(err)  # typed, not the bare base
     assert err.args[1] == 0  # (message, blocks written before the stream broke)
-    r = wait_for(caplog, lambda r: r.name.startswith("pd_bridge.core.stream") and getattr(r, "request_id", None) == rid)
+    r = wait_for(caplog, lambda r: r.name.startswith("pd_bridge.core.segment_server") and getattr(r, "request_id", None) == rid)
     assert r.levelno >= logging.WARNING, r
     assert r.getMessage().startswith(f"pd-bridge[{rid}]: "), r.getMessage()
     assert r.pathname.endswith(".rs") and r.lineno > 0  # the Rust source of the event
