@@ -44,12 +44,7 @@ impl Outboxes {
 
     /// A new capture's outbox, pullable with `key`.
     pub fn register(&self, request_id: &str, key: CaptureKey) -> Arc<Outbox> {
-        self.register_at(request_id, key, Instant::now())
-    }
-
-    /// As [`Self::register`], as if the capture started at `created` (the model check's clock).
-    pub fn register_at(&self, request_id: &str, key: CaptureKey, created: Instant) -> Arc<Outbox> {
-        let outbox = Arc::new(Outbox::new(request_id, key, self.memory.clone(), self.me.clone(), created));
+        let outbox = Arc::new(Outbox::new(request_id, key, self.memory.clone(), self.me.clone(), Instant::now()));
         let mut reg = self.registry();
         if self.shutdown.load(Ordering::SeqCst) {
             // Registered after the server stopped: closed at once, so the capture stops too.
