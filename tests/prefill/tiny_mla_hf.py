@@ -155,6 +155,29 @@ def block_tensors(d) -> dict[str, dict]:
     return out
 
 
+def replay_blocks(mlx_dir, fed: dict[int, bytes], ids: list[int], block: int, piece: int, out, secret: str, rid: str) -> dict[str, dict]:
+    """The CPU reference for a capture: a fresh ``pd_bridge_vllm.Capture`` fed ``fed`` (a layer's
+    whole bf16 attention input, as the tap handed it over) re-cut into ``piece``-row chunks with
+    the layers out of order, pulled with the decode side's client into ``out``: its blocks."""
+    import pd_bridge_omlx
+    import pd_bridge_vllm
+
+    n = len(ids)
+    w = pd_bridge_vllm.Weights.load(str(mlx_dir))
+    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"k")
+    cap = pd_bridge_vllm.Capture(w, rid, n, block, server, secret=secret, prompt_digest=pd_bridge_vllm.prompt_digest(ids))
+    row = HIDDEN * 2
+    for s in range(0, n, piece):
+        for layer in reversed(range(LAYERS)):
+            cap.feed(layer, s, fed[layer][s * row : min(s + piece, n) * row])
+    verdict = json.loads(cap.seal())
+    assert verdict["verdict"] == "complete", verdict
+    writer = pd_bridge_omlx.BlockWriter(str(out), "tiny-mla", block, ids)
+    got, _ = pd_bridge_omlx.ingest("127.0.0.1", server.port, b"k", rid, w.fingerprint, writer, timeout_seconds=30.0, secret=secret, token_ids=ids)
+    assert got == n // block, (got, n // block)
+    return block_tensors(str(out))
+
+
 def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
     """A vLLM engine for the tiny model with PdBridgeConnector serving segments on ``port``.
 

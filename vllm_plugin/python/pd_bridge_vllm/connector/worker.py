@@ -66,6 +66,7 @@ class PdBridgeConnectorWorker:
         self._kv_block_size = vllm_config.cache_config.block_size
         self._group_sizes, self._layer_group = kv_groups(kv_cache_config, self._kv_block_size)
         self._dump_dir = setting(extra, "dump_dir", DUMP_ENV)
+        self._dump_mla = False  # the dumps' MLA latent rows exist only on vLLM's MLA path
         self._meta: PdBridgeConnectorMetadata | None = None
         self._lock = threading.Lock()
         self._stats = PdBridgeKVConnectorStats()
@@ -189,6 +190,8 @@ class PdBridgeConnectorWorker:
         if not self._active or meta is None or not meta.chunks:
             return
         layer, layer_name = tap.layer_of(module)
+        if self._dump_dir:
+            self._dump_mla = hasattr(module, "mla_attn")
         if layer >= self._weights.num_layers:
             return  # an MTP / draft layer: not part of the decoder's cache
         for ch in meta.chunks:
@@ -381,7 +384,7 @@ class PdBridgeConnectorWorker:
         wc = self._captures[ch.req_id]
         for name, kv in self._kv_caches.items():
             m = tap._LAYER_RE.search(name.rsplit(".attn", 1)[0])
-            if m is None:
+            if m is None or not self._dump_mla:  # MLA off: vLLM's cache holds per-head K/V, no latent
                 continue
             g = self._layer_group.get(name, 0)
             slots = ch.slots(g if g < len(ch.group_block_ids) else 0)

