@@ -211,6 +211,12 @@ impl Rope {
         Rope { inv_freq: (0..half).map(|j| mlx_exp(-(j as f32) * coef)).collect(), freq_scale: 1 }
     }
 
+    /// Per rotated pair, `1/freqs[j]` as the kernel derives it: for a caller that rotates in
+    /// another precision (DeepSeek-V4.1 rotates float32 rows, `crate::v41`).
+    pub fn inv_freqs(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// Number of rotated features (the trailing ones of a row).
     pub fn dims(&self) -> usize {
         self.inv_freq.len() * 2

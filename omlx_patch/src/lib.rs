@@ -13,6 +13,9 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+// DeepSeek-V4.1 (its own classes: the family has no oMLX block format).
+mod v41;
+
 // The exception classes shared with the vLLM wheel (and the CoreError mapping, the panic guard
 // and the logging bridge) come from pd-bridge-bindings; this one is the decode side's own.
 pyo3::create_exception!(pd_bridge_omlx._native, BlockRejected, PdBridgeError, "A block file that must not be served; the message says why.");
@@ -413,6 +416,9 @@ fn ingest(
 mod _native {
     #[pymodule_export]
     use super::{capture_secret, carry_state, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
+
+    #[pymodule_export]
+    use super::v41::{V41CacheBuilder, V41Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

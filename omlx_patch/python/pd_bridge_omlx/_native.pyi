@@ -75,6 +75,58 @@ class CacheBuilder:
     def snapshot(self, layer: int) -> list[tuple[str, list[int], bytes]]:
         """The layer's state as ``[(name, shape, little-endian bf16 bytes)]``."""
 
+class V41Weights:
+    """DeepSeek-V4.1's (``model_type: deepseek_v41``) cache weights, read from an MLX model
+    directory. A family of its own: it has no oMLX block format, so no block writing."""
+
+    @staticmethod
+    def load(model_dir: str | PathLike[str]) -> V41Weights:
+        """Read config.json and the cache tensors. Raises ConfigError (e.g. for Engram layers,
+        which mlx-lm refuses too), WeightsError or OSError."""
+    @property
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` over the plan and the tensors the cache math reads."""
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    def carry_state_of(self, position: int, layers: list[tuple[bytes, bytes, bytes]]) -> bytes:
+        """The carry state at token ``position`` from the decoder's own ``LayerCache`` arrays:
+        per layer ``(window, pending_kv, pending_gate)`` as little-endian bytes (the window's
+        last ``min(position, sliding_window)`` bf16 rows; a ratio-2 pool's float32 pending rows,
+        else empty). The bytes ``V41CacheBuilder.resume`` takes; checked against the plan
+        (PdBridgeError naming what does not fit)."""
+    def layer_kind(self, layer: int) -> tuple[int, bool, bool]:
+        """``(ratio, pools, index_keys)``: the compress ratio, whether the layer keeps the
+        compressed-KV pool (a KV source with a non-zero ratio), and the index keys too."""
+
+class V41CacheBuilder:
+    """DeepSeek-V4.1's per-layer cache state for one request, fed chunks of attention input;
+    any chunking gives the same state."""
+
+    def __init__(self, weights: V41Weights) -> None: ...
+    @staticmethod
+    def resume(weights: V41Weights, carry_state: bytes) -> V41CacheBuilder:
+        """The state at the position the carry state (``carry_state()``'s bytes) names; rows
+        fed again from before it are skipped. Raises PdBridgeError naming what does not fit."""
+    def carry_state(self) -> bytes:
+        """The carry state after the tokens every layer has processed (windows and pending
+        rows); raises InputError if the layers disagree."""
+    @property
+    def origin(self) -> int:
+        """Where a resumed state starts (0: from the first token)."""
+    def feed(self, layer: int, start: int, data: Buffer) -> None:
+        """Fold ``[rows, hidden]`` attention input (little-endian bf16, any C-contiguous
+        buffer), first token at absolute position ``start``, into ``layer``'s state. Raises
+        InputError."""
+    def processed(self, layer: int) -> int:
+        """Tokens of ``layer`` folded in so far."""
+    def snapshot(self, layer: int) -> list[tuple[str, str, list[int], bytes]]:
+        """The layer's state as ``[(name, dtype, shape, little-endian bytes)]`` under mlx-lm's
+        ``LayerCache`` names: ``window`` (``"bfloat16"``); on a pool ``compress_kv``, ``index_k``
+        and ``pending_kv``/``pending_gate`` (``"float32"``; after a resume the first two start
+        at group ``origin // ratio``)."""
+
 class BlockWriter:
     """Writes one request's full blocks into an oMLX cache directory, named by oMLX's chain hash."""
 
