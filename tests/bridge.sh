@@ -31,6 +31,9 @@ if [ -z "${PD_BRIDGE_OMLX_SOURCE:-}" ]; then
   else PD_BRIDGE_OMLX_SOURCE="git+https://github.com/jundot/omlx@$OMLX_UPSTREAM_COMMIT"; fi
 fi
 TEST_REQS=("pytest" "maturin>=1.9.4,<2" "openai" "prometheus_client")
+# DeepSeek-V4.1's decoder: mlx-lm 0.32.2 (deepseek_v41.py), which needs mlx 0.32.3 (0.32.0 fails
+# in its model); its own small venv, for the V4.1 parity test.
+V41_REQS=("mlx[cpu]==0.32.3" "mlx-lm==0.32.2" "pytest")
 # The May fork (PyPI flyto-mlx 0.7.0 = upstream 0.3.9.dev1), still supported through its version
 # entry; its decode-side tests run in their own venv. The parity is bit-exact against its MLX
 # (tests/requirements-omlx-fork.txt, which leaves out xgrammar and the CUDA torch it would pull).
@@ -187,13 +190,15 @@ setup() {
   make_upstream_omlx_venv decode
   make_venv prefill "${PREFILL_REQS[@]}"
   install_vllm
-  local decode_venvs=(decode)
+  local decode_venvs=(decode) math_venvs=()
   if [ "${1:-}" = test ]; then
     make_omlx_venv fork "$FORK_PACKAGE" tests/requirements-omlx-fork.txt flyto-mlx "$FORK_PACKAGE"
     decode_venvs+=(fork)
+    make_venv v41 "${V41_REQS[@]}"
+    math_venvs+=(v41)
   fi
   # The prefill venv gets the oMLX wheel too: its engine tests pull segments end to end.
-  build_wheel omlx_patch "${decode_venvs[@]}" prefill
+  build_wheel omlx_patch "${decode_venvs[@]}" prefill "${math_venvs[@]}"
   # The decode venvs get the vLLM wheel too: their tests stream from the prefill side's capture
   # engine to the oMLX side over loopback, with MLX producing the attention inputs.
   build_wheel vllm_plugin prefill "${decode_venvs[@]}"
@@ -204,13 +209,14 @@ setup() {
 }
 
 RELEASE_PYTHONS=()
-run_pytest() { # venv name, test dir
-  local rc=0
+run_pytest() { # venv name, test dir or file, more pytest arguments...
+  local rc=0 venv=$1 where=$2
+  shift 2
   PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python \
     PD_BRIDGE_VLLM_RELEASES="${RELEASE_PYTHONS[*]}" \
-    PD_BRIDGE_REQUIRE_ENGINES=1 "$STATE/venv-$1/bin/python" -m pytest -q -rs "$2" || rc=$?
+    PD_BRIDGE_REQUIRE_ENGINES=1 "$STATE/venv-$venv/bin/python" -m pytest -q -rs "$where" "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then
-    echo "pytest collected no tests in $2: that is a failure here" >&2
+    echo "pytest collected no tests in $where: that is a failure here" >&2
     return 1
   fi
   return "$rc"
@@ -235,9 +241,11 @@ case "${1:-}" in
     # The Python boundary both wheels share: error mapping, panic guard (every entry point), logging.
     cargo test -p pd-bridge-bindings --release
     log "decode-side tests (real MLX / upstream oMLX)"
-    run_pytest decode tests/decode
+    run_pytest decode tests/decode --ignore=tests/decode/test_parity_v41.py
     log "decode-side tests (real MLX / the flyto-mlx fork)"
-    run_pytest fork tests/decode
+    run_pytest fork tests/decode --ignore=tests/decode/test_parity_v41.py
+    log "DeepSeek-V4.1's cache math against mlx-lm 0.32.2"
+    run_pytest v41 tests/decode/test_parity_v41.py
     log "prefill-side tests"
     run_pytest prefill tests/prefill
     log "end to end: real vLLM and real oMLX on loopback"
