@@ -6,10 +6,10 @@
 
 use half::bf16;
 
-use crate::block::layout::LayerView;
-use crate::error::{CoreError, Result};
+use crate::error::{CarryField, CoreError, Result};
 use crate::format::PoolLayout;
 use crate::segment::{LayerKind, Segment};
+use crate::view::LayerView;
 
 #[derive(Default)]
 pub struct Assembler {
@@ -38,7 +38,7 @@ impl Assembler {
     pub fn resuming(layout: PoolLayout, pool_rows: &[Vec<u64>]) -> Result<Self> {
         if layout == PoolLayout::Full && pool_rows.iter().any(|p| !p.is_empty()) {
             return Err(CoreError::Carry {
-                what: crate::carry::CarryField::Format,
+                what: CarryField::Format,
                 reason: "full-pool blocks (fork-0.7.0) need every pooled row before the resume point; only delta-pool blocks resume".into(),
             });
         }

@@ -154,7 +154,7 @@ impl Capture {
         let full = self.blocks * self.block_size;
         if carry.position > full {
             return Err(CoreError::Carry {
-                what: crate::carry::CarryField::Position,
+                what: crate::error::CarryField::Position,
                 reason: format!("resume point {} is past the prompt's last full block (it ends at {full})", carry.position),
             });
         }

@@ -28,52 +28,16 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::block::chain::ChainHash;
-use crate::block::layout::LayerView;
 use crate::block::validate::{inspect, Expect};
-use crate::error::{CoreError, Result};
+use crate::error::{CarryField, CoreError, Result};
 use crate::format::{OmlxFormat, Overlap, PoolLayout, WindowRows};
 use crate::plan::{ModelPlan, V4LayerKind};
 use crate::pooler::LayerState;
+use crate::view::LayerView;
 
 /// Version of the carry-state bytes this build writes and reads.
 pub const CARRY_VERSION: u32 = 1;
 const MAGIC: &[u8; 4] = b"PDCS";
-
-/// What a carry state disagrees on (or why it cannot be read), for [`CoreError::Carry`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CarryField {
-    /// The bytes: magic, version, checksum, header, array lengths.
-    Framing,
-    /// Made from other decoder weights.
-    Fingerprint,
-    /// Made for another oMLX block format.
-    Format,
-    /// Made for another block size.
-    BlockSize,
-    /// Not at the position it claims, off the block grid, or past the prompt.
-    Position,
-    /// Layers that do not fit the model: count, kinds, ratios, widths.
-    Plan,
-    /// The block file it is read from is invalid or not what it should be.
-    Block,
-    /// Taken at the end of another prefix (its chain hash is not this prompt's).
-    Prefix,
-}
-
-impl std::fmt::Display for CarryField {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            CarryField::Framing => "framing",
-            CarryField::Fingerprint => "weights fingerprint",
-            CarryField::Format => "oMLX block format",
-            CarryField::BlockSize => "block size",
-            CarryField::Position => "position",
-            CarryField::Plan => "model plan",
-            CarryField::Block => "block file",
-            CarryField::Prefix => "prefix",
-        })
-    }
-}
 
 fn err(what: CarryField, reason: impl Into<String>) -> CoreError {
     CoreError::Carry { what, reason: reason.into() }
@@ -172,14 +136,14 @@ fn expected(plan: &ModelPlan, format: OmlxFormat, block_size: usize, position: u
 
 impl CarryState {
     /// The carry state of pooler layers that have all processed exactly `S` tokens (a block
-    /// boundary): what the block ending at `S` holds, as [`LayerView::of`] sees it.
+    /// boundary): what the block ending at `S` holds, as [`LayerState::view`] sees it.
     pub fn from_layers(format: OmlxFormat, fingerprint: &str, block_size: usize, chain_hash: Option<ChainHash>, layers: &[LayerState]) -> Result<CarryState> {
         let position = layers.first().map_or(0, LayerState::processed);
         if let Some((i, l)) = layers.iter().enumerate().find(|(_, l)| l.processed() != position) {
             return Err(CoreError::input(i, format!("has processed {} tokens, layer 0 {position}", l.processed())));
         }
         let start = position.saturating_sub(block_size);
-        let views: Vec<LayerView<'_>> = layers.iter().map(|l| LayerView::of(l, start, position)).collect();
+        let views: Vec<LayerView<'_>> = layers.iter().map(|l| l.view(start, position)).collect();
         Ok(Self::from_views(format, fingerprint, block_size, position, chain_hash, &views))
     }
 

@@ -20,11 +20,13 @@ pub mod pooler;
 pub mod segment;
 pub mod segment_server;
 pub(crate) mod sync;
+pub mod view;
 pub mod weights;
 pub mod wire;
 
 pub use error::{CoreError, Result};
 pub use format::OmlxFormat;
 pub use plan::ModelPlan;
-pub use pooler::{CacheBuilder, DecoderSteps, StateArray};
+pub use pooler::{CacheBuilder, DecoderSteps};
+pub use view::StateArray;
 pub use weights::DecoderWeights;

@@ -5,9 +5,8 @@
 use half::bf16;
 use serde::{Deserialize, Serialize};
 
-use crate::block::layout::LayerView;
 use crate::error::{CoreError, Result};
-use crate::pooler::{ArrayView, V4BlockView};
+use crate::view::{ArrayView, LayerView, V4BlockView};
 
 mod build;
 pub use build::{ArraySource, BlockPlan, BodyStore, PlannedArray, PlannedLayer, SegmentArrays, SegmentPlan};

@@ -17,28 +17,8 @@ use super::file::{Tensor, TensorData};
 use super::pyjson::{Json, COMPACT_SORTED, DEFAULT};
 use crate::error::{CoreError, Result};
 use crate::format::{OmlxFormat, PoolLayout};
-use crate::pooler::{ArrayView, LayerState, V4BlockView};
-
-/// One layer's state as a block stores it, borrowed from wherever it lives.
-pub enum LayerView<'a> {
-    /// DeepSeek-V4: a rotating window alone, or in a `CacheList` with its pools.
-    V4(V4BlockView<'a>),
-    /// A plain `KVCache` slice: `(keys [rows, dk], values [rows, dv])`.
-    Kv(ArrayView<'a>, ArrayView<'a>),
-}
-
-impl<'a> LayerView<'a> {
-    /// The view of a pooler layer state for the block `[start, end)`.
-    pub fn of(layer: &'a LayerState, start: usize, end: usize) -> Self {
-        match layer {
-            LayerState::V4(s) => LayerView::V4(s.block_view()),
-            LayerState::Mla(s) => {
-                let (latent, k_pe) = s.rows(start, end);
-                LayerView::Kv(latent, k_pe)
-            }
-        }
-    }
-}
+use crate::pooler::LayerState;
+use crate::view::{ArrayView, LayerView, V4BlockView};
 
 /// The tensors and metadata of one block.
 pub struct BlockContents<'a> {
@@ -229,14 +209,11 @@ pub fn block_contents<'a>(format: OmlxFormat, model_name: &str, hash: &ChainHash
     }
     let mut views = Vec::with_capacity(layers.len());
     for (i, layer) in layers.iter().enumerate() {
-        let processed = match layer {
-            LayerState::V4(s) => s.processed(),
-            LayerState::Mla(s) => s.processed(),
-        };
+        let processed = layer.processed();
         if processed != end {
             return Err(CoreError::input(i, format!("has processed {processed} tokens; the block ends at {end}")));
         }
-        views.push(LayerView::of(layer, start, end));
+        views.push(layer.view(start, end));
     }
     contents(format, model_name, hash, end - start, &views, created_at)
 }

@@ -23,11 +23,11 @@ use serde_json::Value;
 
 use super::chain::ChainHash;
 use super::file::TensorData;
-use super::layout::{contents, LayerView};
+use super::layout::contents;
 use super::spec::{LayerSpec, StoreSpec};
 use crate::format::{OmlxFormat, PoolLayout};
 use crate::plan::ModelPlan;
-use crate::pooler::{ArrayView, V4BlockView};
+use crate::view::{ArrayView, LayerView, V4BlockView};
 
 /// Where bad files on a block's name are moved: inside the cache directory (same filesystem,
 /// a rename), outside the `0`-`f` subdirectories oMLX scans and its sidecar directory.

@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::chain::{chain, ChainHash};
 use super::file::{clean_stale_temps, write_pending, Tensor};
-use super::layout::{block_contents, contents, LayerView};
+use super::layout::{block_contents, contents};
 use super::spec::StoreSpec;
 use super::validate::{inspect_with, move_aside, Expect, RejectKind};
 use crate::assembler::Assembler;
@@ -25,6 +25,7 @@ use crate::format::OmlxFormat;
 use crate::plan::ModelPlan;
 use crate::pooler::LayerState;
 use crate::segment::Segment;
+use crate::view::LayerView;
 
 /// A temp file this old has no writer, whatever its name or its lock says (a block is written in
 /// seconds; a lock a forked child inherited could outlive the writer).
@@ -116,7 +117,7 @@ impl BlockWriter {
     /// state of another format, block size or prefix (its chain hash must be this prompt's block
     /// ending at `S`), or past the prompt's full blocks. Delta-pool formats only (upstream).
     pub fn resume_at(&self, carry: &crate::carry::CarryState) -> Result<()> {
-        use crate::carry::CarryField;
+        use crate::error::CarryField;
         let refuse = |what: CarryField, reason: String| Err(CoreError::Carry { what, reason });
         let mut st = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         if st.next != 0 {

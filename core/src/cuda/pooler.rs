@@ -13,7 +13,9 @@ use crate::error::{CoreError, Result};
 use crate::carry::{CarryState, LayerCarry};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
-use crate::pooler::{DecoderSteps, Overlap, PoolSum, StateArray};
+use crate::format::{Overlap, PoolSum};
+use crate::pooler::DecoderSteps;
+use crate::view::StateArray;
 use crate::weights::{CompressorWeights, DecoderWeights, LayerWeights, Linear};
 
 const BF: usize = 2;

@@ -3,9 +3,9 @@
 
 use half::bf16;
 
-use super::{ArrayView, StateArray};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, Rope};
 use crate::plan::MlaPlan;
+use crate::view::{ArrayView, StateArray};
 use crate::weights::MlaLayerWeights;
 
 #[derive(Clone, Debug)]

@@ -23,10 +23,11 @@ use crate::carry::{CarryState, LayerCarry};
 use crate::error::{CoreError, Result};
 pub use crate::format::{Overlap, PoolSum, WindowRows};
 use crate::format::OmlxFormat;
+use crate::view::{LayerView, StateArray};
 use crate::weights::{DecoderWeights, LayerWeights};
 
 pub use mla::MlaLayerState;
-pub use v4::{V4BlockView, V4LayerState};
+pub use v4::V4LayerState;
 
 /// Where the decoder starts each prefill forward call: at every multiple of `step` tokens
 /// (oMLX prefills block by block, so this is its cache block size), and whether its ratio-4
@@ -66,28 +67,6 @@ impl DecoderSteps {
     }
 }
 
-/// One named array of a layer's cache state, row-major bf16.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StateArray {
-    pub name: &'static str,
-    pub shape: Vec<usize>,
-    pub data: Vec<bf16>,
-}
-
-/// A borrowed `[rows, width]` bf16 array inside a layer's state.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ArrayView<'a> {
-    pub rows: usize,
-    pub width: usize,
-    pub data: &'a [bf16],
-}
-
-impl<'a> ArrayView<'a> {
-    pub fn new(width: usize, data: &'a [bf16]) -> Self {
-        ArrayView { rows: data.len().checked_div(width).unwrap_or(0), width, data }
-    }
-}
-
 /// A layer's cache state, whichever model family it belongs to.
 #[derive(Clone, Debug)]
 pub enum LayerState {
@@ -109,6 +88,17 @@ impl LayerState {
         match self {
             LayerState::V4(s) => s.snapshot(),
             LayerState::Mla(s) => s.snapshot(),
+        }
+    }
+
+    /// The state as the block `[start, end)` stores it (the state has processed `end` tokens).
+    pub fn view(&self, start: usize, end: usize) -> LayerView<'_> {
+        match self {
+            LayerState::V4(s) => LayerView::V4(s.block_view()),
+            LayerState::Mla(s) => {
+                let (latent, k_pe) = s.rows(start, end);
+                LayerView::Kv(latent, k_pe)
+            }
         }
     }
 }

@@ -3,10 +3,12 @@
 
 use half::bf16;
 
-use super::{ArrayView, DecoderSteps, PoolSum, StateArray, WindowRows};
+use super::DecoderSteps;
 use crate::carry::{PoolCarry, V4Carry};
+use crate::format::{Overlap, PoolSum, WindowRows};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
+use crate::view::{ArrayView, StateArray, V4BlockView};
 use crate::weights::{CompressorWeights, V4LayerWeights};
 
 /// The sliding window: `kv_norm(wkv(x))` rotated at its absolute position, in temporal order.
@@ -235,7 +237,7 @@ impl Compressor {
     /// The previous window `(kv, gate)` (`[ratio, out_dim]` raw rows) an overlap compressor
     /// carries, when it carries one: upstream's `PoolingCache.prev_win_kv/gate`.
     fn prev_view(&self) -> Option<[ArrayView<'_>; 2]> {
-        if !self.overlap || self.steps.overlap != super::Overlap::Carried {
+        if !self.overlap || self.steps.overlap != Overlap::Carried {
             return None;
         }
         self.prev.as_ref().map(|(kv, g, _)| [ArrayView::new(self.out_dim, kv), ArrayView::new(self.out_dim, g)])
@@ -257,7 +259,7 @@ impl Compressor {
         out.push(StateArray { name: name("buf_kv"), shape: vec![rem, self.out_dim], data: self.buf_kv.clone() });
         out.push(StateArray { name: name("buf_gate"), shape: vec![rem, self.out_dim], data: self.buf_gate.clone() });
         // Upstream's PoolingCache also holds the previous ratio-4 window (empty: None).
-        if self.steps.overlap == super::Overlap::Carried {
+        if self.steps.overlap == Overlap::Carried {
             let (kv, gate) = self.prev_view().map_or((Vec::new(), Vec::new()), |[k, g]| (k.data.to_vec(), g.data.to_vec()));
             let rows = kv.len() / self.out_dim;
             out.push(StateArray { name: name("prev_kv"), shape: vec![rows, self.out_dim], data: kv });
@@ -397,24 +399,6 @@ impl V4LayerState {
         }
         out
     }
-}
-
-/// A DeepSeek-V4 layer's state as one oMLX block stores it (borrowed).
-#[derive(Clone, Debug)]
-pub struct V4BlockView<'a> {
-    /// Tokens processed (the block's end).
-    pub offset: usize,
-    pub sliding_window: usize,
-    /// 0 for a window-only layer; then `pools` is empty.
-    pub ratio: usize,
-    pub window: ArrayView<'a>,
-    /// Per pool (compressor, then indexer): `[buf_kv, buf_gate, pooled]`.
-    pub pools: Vec<[ArrayView<'a>; 3]>,
-    /// Per pool: the absolute index of `pooled`'s first row (0: the whole pool).
-    pub pool_first: Vec<usize>,
-    /// Per pool: the previous ratio-4 window `[kv, gate]` where the decoder carries it (upstream);
-    /// `None` for ratio-128 pools, before the first window, and with the fork.
-    pub prev: Vec<Option<[ArrayView<'a>; 2]>>,
 }
 
 #[cfg(test)]
