@@ -80,7 +80,7 @@ pub struct Capture {
     gpu_fallback: bool,
     /// The carry state a resumed capture started from: the GPU backend starts there too.
     #[cfg(feature = "cuda")]
-    carry: Option<crate::carry::CarryState>,
+    carry: Option<crate::pooler::carry::CarryState>,
 }
 
 impl Capture {
@@ -139,7 +139,7 @@ impl Capture {
     /// prefill engine may recompute from wherever its own prefix cache ends; rows from `S` on
     /// must all be fed. Refused, naming what disagrees, unless the carry state was made from
     /// these weights, for this format and block size, and `S` is within the prompt's full blocks.
-    pub fn resume(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize, carry: &crate::carry::CarryState) -> Result<Self> {
+    pub fn resume(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize, carry: &crate::pooler::carry::CarryState) -> Result<Self> {
         let mut cap = Self::with_format(format, weights, request_id, prompt_tokens, block_size)?;
         cap.resume_at(carry)?;
         Ok(cap)
@@ -148,7 +148,7 @@ impl Capture {
     /// Make this capture, before anything was fed to it, one resumed from `carry` (see
     /// [`Self::resume`]): for callers that create the capture first and learn of the carry state
     /// afterwards. Refused once a row was fed or a segment produced.
-    pub fn resume_at(&mut self, carry: &crate::carry::CarryState) -> Result<()> {
+    pub fn resume_at(&mut self, carry: &crate::pooler::carry::CarryState) -> Result<()> {
         let weights = self.builder.weights().clone();
         carry.check_for(&weights.fingerprint, self.format, self.block_size, &weights.plan)?;
         let full = self.blocks * self.block_size;

@@ -5,10 +5,8 @@
 //! per-layer cache state, fed chunk by chunk) → segments, wire and the oMLX block writer (later
 //! modules). [`numerics`] holds the MLX arithmetic they all share.
 
-pub mod assembler;
 pub mod block;
 pub mod capture;
-pub mod carry;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;

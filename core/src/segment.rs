@@ -108,7 +108,7 @@ impl Segment {
 
     /// Borrow the segment as per-layer views for the block writer. Pools stay as the segment
     /// carries them (`pool_first` says from which row): enough for a delta-pool format; a
-    /// full-pool format needs the accumulated pools of [`crate::assembler::Assembler`].
+    /// full-pool format needs the accumulated pools of [`crate::block::assembler::Assembler`].
     pub fn views(&self) -> Result<Vec<LayerView<'_>>> {
         self.views_with(|_, _| None)
     }

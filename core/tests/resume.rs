@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use half::bf16;
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::carry::{CarryState, LayerCarry};
+use pd_bridge_core::pooler::carry::{CarryState, LayerCarry};
 use pd_bridge_core::error::CarryField;
 use pd_bridge_core::segment::Segment;
 use pd_bridge_core::wire::Seal;

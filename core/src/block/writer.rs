@@ -14,12 +14,12 @@ use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use super::assembler::Assembler;
 use super::chain::{chain, ChainHash};
 use super::file::{clean_stale_temps, write_pending, Tensor};
 use super::layout::{block_contents, contents};
 use super::spec::StoreSpec;
 use super::validate::{inspect_with, move_aside, Expect, RejectKind};
-use crate::assembler::Assembler;
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
 use crate::plan::ModelPlan;
@@ -116,7 +116,7 @@ impl BlockWriter {
     /// the carried rows. Refused (nothing changes) once a segment was admitted, or for a carry
     /// state of another format, block size or prefix (its chain hash must be this prompt's block
     /// ending at `S`), or past the prompt's full blocks. Delta-pool formats only (upstream).
-    pub fn resume_at(&self, carry: &crate::carry::CarryState) -> Result<()> {
+    pub fn resume_at(&self, carry: &crate::pooler::carry::CarryState) -> Result<()> {
         use crate::error::CarryField;
         let refuse = |what: CarryField, reason: String| Err(CoreError::Carry { what, reason });
         let mut st = self.stream.lock().unwrap_or_else(|p| p.into_inner());

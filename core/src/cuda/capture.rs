@@ -187,7 +187,7 @@ impl GpuCapture {
     /// changed, where the GPU path cannot (the caller pools on the CPU then): a block from there
     /// on that reads rows from before it (a window longer than a block), or a compressor window
     /// open at the boundary.
-    pub fn resume_at(&mut self, carry: &crate::carry::CarryState) -> Result<bool> {
+    pub fn resume_at(&mut self, carry: &crate::pooler::carry::CarryState) -> Result<bool> {
         let s = carry.position;
         let bs = self.plan.block_size();
         if s % bs != 0 || self.next != 0 || !self.open.is_empty() {

@@ -10,7 +10,7 @@ use half::bf16;
 use super::dev::{ck, err, Args, DevBuf, Event, GpuDevice, Stream};
 use super::{DeviceTensor, GemmMode};
 use crate::error::{CoreError, Result};
-use crate::carry::{CarryState, LayerCarry};
+use crate::pooler::carry::{CarryState, LayerCarry};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
 use crate::format::{Overlap, PoolSum};

@@ -3,8 +3,8 @@
 
 use half::bf16;
 
-use super::DecoderSteps;
-use crate::carry::{PoolCarry, V4Carry};
+use super::carry::{PoolCarry, V4Carry};
+use super::steps::DecoderSteps;
 use crate::format::{Overlap, PoolSum, WindowRows};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
@@ -311,7 +311,7 @@ impl V4LayerState {
     }
 
     /// The state after `position` tokens (a block boundary) from the decoder's carry state there,
-    /// which [`crate::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
+    /// which [`super::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
     /// previous window is carried: its overlap restarts at every forward call, and one starts at
     /// each block boundary.
     pub(super) fn resume(plan: &V4Plan, layer: usize, steps: DecoderSteps, carry: &V4Carry, position: usize) -> Self {

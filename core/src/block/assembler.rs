@@ -31,7 +31,7 @@ impl Assembler {
     }
 
     /// An assembler for a stream resumed at a block boundary (multi-turn): `pool_rows[layer][pool]`
-    /// pooled rows exist before it ([`crate::carry::CarryState::pool_rows`]), so the first delta
+    /// pooled rows exist before it ([`crate::pooler::carry::CarryState::pool_rows`]), so the first delta
     /// must start there. A model with pools resumes only with delta-pool blocks (upstream): a
     /// full-pool block (the fork) would need every earlier pooled row, which a carry state does
     /// not hold.
