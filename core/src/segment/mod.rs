@@ -8,8 +8,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{CoreError, Result};
 use crate::view::{ArrayView, LayerView, V4BlockView};
 
+mod body;
 mod build;
-pub use build::{ArraySource, BlockPlan, BodyStore, PlannedArray, PlannedLayer, SegmentArrays, SegmentPlan};
+pub use body::{BodyStore, SegmentArrays};
+pub use build::{ArraySource, BlockPlan, PlannedArray, PlannedLayer, SegmentPlan};
 
 /// How a layer's arrays are to be read.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
