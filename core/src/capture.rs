@@ -19,6 +19,7 @@ use half::bf16;
 
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
+use crate::geometry::Geometry;
 use crate::pooler::{CacheBuilder, DecoderSteps, LayerState};
 use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
@@ -94,7 +95,7 @@ impl Capture {
     /// size (also its prefill step grid).
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
-        let segments = SegmentPlan::new(format, &weights.plan, block_size, request_id, &weights.fingerprint);
+        let segments = SegmentPlan::new(Geometry::of(&weights.plan, format, block_size), request_id, &weights.fingerprint);
         #[cfg(feature = "cuda")]
         let w2 = weights.clone();
         Ok(Capture {
@@ -150,7 +151,7 @@ impl Capture {
     /// afterwards. Refused once a row was fed or a segment produced.
     pub fn resume_at(&mut self, carry: &crate::pooler::carry::CarryState) -> Result<()> {
         let weights = self.builder.weights().clone();
-        carry.check_for(&weights.fingerprint, self.format, self.block_size, &weights.plan)?;
+        carry.check_for(&weights.fingerprint, &Geometry::of(&weights.plan, self.format, self.block_size))?;
         let full = self.blocks * self.block_size;
         if carry.position > full {
             return Err(CoreError::Carry {

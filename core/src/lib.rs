@@ -11,6 +11,7 @@ pub mod capture;
 pub mod cuda;
 pub mod error;
 pub mod format;
+pub mod geometry;
 pub mod ingest;
 pub mod numerics;
 pub mod plan;

@@ -332,22 +332,20 @@ fn scan(rel: &str, src: &str, krate: &Crate) -> FileRefs {
             Tok::Ident(word) if !matches!(toks.get(i + 1), Some((Tok::Path, _))) => {
                 refs.code.insert(word.clone());
             }
-            Tok::Ident(first) => {
-                // A path in code: `a::b::c`. (Not preceded by `::`: that is the middle of one.)
-                if i == 0 || toks[i - 1].0 != Tok::Path {
-                    refs.code.insert(first.clone());
-                    let mut segs = vec![first.clone()];
-                    let mut j = i + 1;
-                    while let (Some((Tok::Path, _)), Some((Tok::Ident(s), _))) = (toks.get(j), toks.get(j + 1)) {
-                        segs.push(s.clone());
-                        j += 2;
-                    }
-                    if let Some(abs) = absolute(&segs, &here(&inline), &aliases, krate) {
-                        refs.paths.push((abs, line));
-                    }
-                    i = j;
-                    continue;
+            // A path in code: `a::b::c`. (Not preceded by `::`: that is the middle of one.)
+            Tok::Ident(first) if i == 0 || toks[i - 1].0 != Tok::Path => {
+                refs.code.insert(first.clone());
+                let mut segs = vec![first.clone()];
+                let mut j = i + 1;
+                while let (Some((Tok::Path, _)), Some((Tok::Ident(s), _))) = (toks.get(j), toks.get(j + 1)) {
+                    segs.push(s.clone());
+                    j += 2;
                 }
+                if let Some(abs) = absolute(&segs, &here(&inline), &aliases, krate) {
+                    refs.paths.push((abs, line));
+                }
+                i = j;
+                continue;
             }
             _ => {}
         }

@@ -17,6 +17,7 @@ use super::file::{Tensor, TensorData};
 use super::pyjson::{Json, COMPACT_SORTED, DEFAULT};
 use crate::error::{CoreError, Result};
 use crate::format::{OmlxFormat, PoolLayout};
+use crate::geometry::pooled_range;
 use crate::pooler::LayerState;
 use crate::view::{ArrayView, LayerView, V4BlockView};
 
@@ -88,7 +89,7 @@ fn pooling<'a>(arrays: &[ArrayView<'a>; 3]) -> Vec<Element<'a>> {
 fn pooling_delta<'a>(layer: usize, v: &V4BlockView<'a>, j: usize, ratio: usize, block_size: usize) -> Result<Vec<Element<'a>>> {
     let [kv, gate, pooled] = &v.pools[j];
     let first = v.pool_first.get(j).copied().unwrap_or(0);
-    let (start, end) = (v.offset.saturating_sub(block_size) / ratio, v.offset / ratio);
+    let (start, end) = pooled_range(ratio, block_size, v.offset);
     if first > start || first + pooled.rows != end {
         return Err(CoreError::input(layer, format!("pool {j} holds rows [{first}, {}), the block's delta is [{start}, {end})", first + pooled.rows)));
     }

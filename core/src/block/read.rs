@@ -17,8 +17,9 @@ use super::chain::ChainHash;
 use super::validate::{inspect, Expect};
 use crate::error::{CarryField, CoreError, Result};
 use crate::format::{OmlxFormat, PoolLayout};
+use crate::geometry::{pool_out_dim, Geometry, LayerShape};
 use crate::plan::ModelPlan;
-use crate::pooler::carry::{err, expected, CarryState, Expected, LayerCarry, PoolCarry, V4Carry};
+use crate::pooler::carry::{err, CarryState, LayerCarry, PoolCarry, V4Carry};
 use crate::pooler::LayerState;
 use crate::view::LayerView;
 
@@ -36,7 +37,7 @@ impl CarryState {
     }
 
     /// The carry state of a block's per-layer views (a block at its end boundary `position`).
-    /// Nothing is checked here; [`Self::check`] does it.
+    /// Nothing is checked here; [`CarryState::check`] does it.
     pub fn from_views(format: OmlxFormat, fingerprint: &str, block_size: usize, position: usize, chain_hash: Option<ChainHash>, views: &[LayerView<'_>]) -> CarryState {
         let layers = views
             .iter()
@@ -76,13 +77,15 @@ impl CarryState {
         // SAFETY: blocks are immutable once named (writers rename complete files into place).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| CoreError::io(path, e))?;
         let block = BlockFile::parse(&map).map_err(|why| err(CarryField::Block, format!("{}: {why}", path.display())))?;
-        let layers = expected(plan, format, block_size, position)
+        let geometry = Geometry::of(plan, format, block_size);
+        let layers = geometry
+            .layers
             .iter()
             .enumerate()
-            .map(|(i, e)| block.layer(i, e, format, block_size, position))
+            .map(|(i, shape)| block.layer(i, shape, &geometry, position))
             .collect::<std::result::Result<Vec<_>, CoreError>>()?;
         let carry = CarryState { format, fingerprint: fingerprint.into(), block_size, position, chain_hash: Some(info.hash), layers };
-        carry.check(plan)?;
+        carry.check(&geometry)?;
         Ok(carry)
     }
 }
@@ -151,11 +154,12 @@ impl<'a> BlockFile<'a> {
         }
     }
 
-    /// Layer `i`'s carry, checked against what the plan expects of it at `position`.
-    fn layer(&self, i: usize, want: &Expected, format: OmlxFormat, block_size: usize, position: usize) -> Result<LayerCarry> {
+    /// Layer `i`'s carry, checked against what the decoder's layer `want` holds at `position`.
+    fn layer(&self, i: usize, want: &LayerShape, geometry: &Geometry, position: usize) -> Result<LayerCarry> {
+        let block_size = geometry.block_size;
         let block = |r: String| err(CarryField::Block, format!("layer {i}: {r}"));
         let ty = self.types.get(i).and_then(Value::as_str).unwrap_or("?");
-        let Expected::V4 { sliding_window, ratio, head_dim, pools, .. } = want else {
+        let LayerShape::Windowed { sliding_window, ratio, head_dim, pool_heads } = want else {
             if ty != "KVCache" {
                 return Err(err(CarryField::Plan, format!("layer {i} is a {ty}, the model's is a KVCache")));
             }
@@ -175,8 +179,8 @@ impl<'a> BlockFile<'a> {
             (format!("layer_{i}"), self.metas.get(i))
         } else {
             let subs = self.count(&format!("layer_{i}_sub_count")).map_err(block)?;
-            if subs != 1 + pools.len() {
-                return Err(err(CarryField::Plan, format!("layer {i} has {} pools, the model's has {}", subs.saturating_sub(1), pools.len())));
+            if subs != 1 + pool_heads.len() {
+                return Err(err(CarryField::Plan, format!("layer {i} has {} pools, the model's has {}", subs.saturating_sub(1), pool_heads.len())));
             }
             (format!("layer_{i}_sub_0"), self.metas.get(i).and_then(|m| m.get(1)).and_then(|m| m.get(0)))
         };
@@ -193,12 +197,13 @@ impl<'a> BlockFile<'a> {
         if width != head_dim && !window.is_empty() {
             return Err(err(CarryField::Plan, format!("layer {i}: window rows of width {width}, the model's are {head_dim}")));
         }
-        let mut out = Vec::with_capacity(pools.len());
-        for (j, e) in pools.iter().enumerate() {
+        let mut out = Vec::with_capacity(pool_heads.len());
+        for (j, &head) in pool_heads.iter().enumerate() {
+            let width = pool_out_dim(ratio, head);
             let prefix = format!("layer_{i}_sub_{}", j + 1);
             let n = self.count(&format!("{prefix}_state_count")).map_err(block)?;
             let (kv, gate) = (self.rows(&prefix, 0, 1).map_err(block)?, self.rows(&prefix, 1, 1).map_err(block)?);
-            let (pooled_rows, prev) = match format.pool_layout() {
+            let (pooled_rows, prev) = match geometry.format.pool_layout() {
                 PoolLayout::Full => {
                     if n != 3 {
                         return Err(block(format!("pool {j} has {n} elements, a PoolingCache 3")));
@@ -218,16 +223,16 @@ impl<'a> BlockFile<'a> {
                         return Err(block(format!("pool {j}: row range [{start}, {end}) with {delta} pooled rows")));
                     }
                     let (pk, pg) = (self.rows(&prefix, 3, 2).map_err(block)?, self.rows(&prefix, 4, 2).map_err(block)?);
-                    let prev = (pk.0 > 0 || pg.0 > 0).then(|| [pk.2, pg.2]);
+                    let prev = (pk.0 > 0 || pg.0 > 0).then_some([pk.2, pg.2]);
                     (end as usize, prev)
                 }
             };
             for (name, w) in [("buf_kv", kv.1), ("buf_gate", gate.1)] {
-                if w != 0 && w != e.width {
-                    return Err(err(CarryField::Plan, format!("layer {i} pool {j}: {name} rows of width {w}, the model's are {}", e.width)));
+                if w != 0 && w != width {
+                    return Err(err(CarryField::Plan, format!("layer {i} pool {j}: {name} rows of width {w}, the model's are {width}")));
                 }
             }
-            out.push(PoolCarry { width: e.width, pooled_rows, buf_kv: kv.2, buf_gate: gate.2, prev });
+            out.push(PoolCarry { width, pooled_rows, buf_kv: kv.2, buf_gate: gate.2, prev });
         }
         Ok(LayerCarry::V4(V4Carry { sliding_window, ratio, head_dim, window, pools: out }))
     }

@@ -737,7 +737,7 @@ impl GpuCache {
                 ..
             } => {
                 let hd = *hd;
-                let retain = size - 1 + self.steps.step;
+                let retain = crate::geometry::window_retain(crate::format::WindowRows::Raw, *size, self.steps.step);
                 let nw = match self.window_rows {
                     WindowRows::All => rows,
                     WindowRows::Retained => rows.min(retain),

@@ -24,8 +24,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::chain::ChainHash;
 use crate::error::{CarryField, CoreError, Result};
-use crate::format::{OmlxFormat, Overlap, WindowRows};
-use crate::plan::{ModelPlan, V4LayerKind};
+use crate::format::OmlxFormat;
+use crate::geometry::{Geometry, LayerShape};
 
 /// Version of the carry-state bytes this build writes and reads.
 pub const CARRY_VERSION: u32 = 1;
@@ -83,53 +83,11 @@ pub struct CarryState {
     pub layers: Vec<LayerCarry>,
 }
 
-/// What a layer's carry must look like at a position (from the plan and the format).
-#[derive(Debug, PartialEq)]
-pub(crate) enum Expected {
-    V4 { sliding_window: usize, ratio: usize, head_dim: usize, window_rows: usize, pools: Vec<ExpectedPool> },
-    Kv,
-}
-
-#[derive(Debug, PartialEq)]
-pub(crate) struct ExpectedPool {
-    pub(crate) width: usize,
-    pub(crate) rem: usize,
-    pub(crate) pooled_rows: usize,
-    pub(crate) prev: bool,
-}
-
-pub(crate) fn expected(plan: &ModelPlan, format: OmlxFormat, block_size: usize, position: usize) -> Vec<Expected> {
-    match plan {
-        ModelPlan::Mla(p) => (0..p.num_layers).map(|_| Expected::Kv).collect(),
-        ModelPlan::DeepseekV4(p) => (0..p.num_layers)
-            .map(|i| {
-                let ratio = p.compress_ratios[i];
-                let kind = p.layer_kind(i);
-                let size = p.sliding_window;
-                // The fork stores a compressed layer's raw rotating buffer: at a boundary of its
-                // block-sized forward calls, `size - 1` rows plus the whole last call.
-                let window_rows = if kind != V4LayerKind::Window && format.window_rows() == WindowRows::Raw { position.min(size - 1 + block_size) } else { position.min(size) };
-                let pool = |head: usize| ExpectedPool {
-                    width: if ratio == 4 { 2 * head } else { head },
-                    rem: position % ratio,
-                    pooled_rows: position / ratio,
-                    prev: ratio == 4 && format.overlap() == Overlap::Carried && position >= ratio,
-                };
-                let pools = match kind {
-                    V4LayerKind::Window => vec![],
-                    V4LayerKind::Compressed => vec![pool(p.head_dim)],
-                    V4LayerKind::Sparse => vec![pool(p.head_dim), pool(p.index_head_dim)],
-                };
-                Expected::V4 { sliding_window: size, ratio, head_dim: p.head_dim, window_rows, pools }
-            })
-            .collect(),
-    }
-}
-
 impl CarryState {
-    /// Refuse the carry state unless it was made for these weights, this format and block size,
-    /// and fits `plan` at its position.
-    pub fn check_for(&self, fingerprint: &str, format: OmlxFormat, block_size: usize, plan: &ModelPlan) -> Result<()> {
+    /// Refuse the carry state unless it was made for these weights and for `geometry`'s format
+    /// and block size, and fits its layers at its position.
+    pub fn check_for(&self, fingerprint: &str, geometry: &Geometry) -> Result<()> {
+        let (format, block_size) = (geometry.format, geometry.block_size);
         if self.fingerprint != fingerprint {
             return Err(err(CarryField::Fingerprint, format!("made from weights {}, this capture's are {fingerprint}", self.fingerprint)));
         }
@@ -139,23 +97,27 @@ impl CarryState {
         if self.block_size != block_size {
             return Err(err(CarryField::BlockSize, format!("made for {}-token blocks, this capture's are {block_size}", self.block_size)));
         }
-        self.check(plan)
+        self.check(geometry)
     }
 
-    /// The carry state is whole and fits `plan` at its own position, format and block size.
-    pub fn check(&self, plan: &ModelPlan) -> Result<()> {
+    /// The carry state is whole and fits the decoder's layers at its own position, as `geometry`
+    /// (for the carry state's own format and block size) gives them.
+    pub fn check(&self, geometry: &Geometry) -> Result<()> {
         let (s, b) = (self.position, self.block_size);
+        if geometry.format != self.format || geometry.block_size != b {
+            return Err(err(CarryField::Format, format!("checked against the blocks of {} with {} tokens, it was made for {} with {b}", geometry.format, geometry.block_size, self.format)));
+        }
         if b == 0 || s == 0 || s % b != 0 {
             return Err(err(CarryField::Position, format!("position {s} is not a positive multiple of the block size {b}")));
         }
-        if self.layers.len() != plan.num_layers() {
-            return Err(err(CarryField::Plan, format!("{} layers, the model has {}", self.layers.len(), plan.num_layers())));
+        if self.layers.len() != geometry.layers.len() {
+            return Err(err(CarryField::Plan, format!("{} layers, the model has {}", self.layers.len(), geometry.layers.len())));
         }
-        for (i, (got, want)) in self.layers.iter().zip(expected(plan, self.format, b, s)).enumerate() {
+        for (i, (got, want)) in self.layers.iter().zip(&geometry.layers).enumerate() {
             match (got, want) {
-                (LayerCarry::Kv, Expected::Kv) => {}
-                (LayerCarry::V4(c), Expected::V4 { sliding_window, ratio, head_dim, window_rows, pools }) => {
-                    if (c.sliding_window, c.ratio, c.head_dim, c.pools.len()) != (sliding_window, ratio, head_dim, pools.len()) {
+                (LayerCarry::Kv, LayerShape::Kv { .. }) => {}
+                (LayerCarry::V4(c), &LayerShape::Windowed { sliding_window, ratio, head_dim, ref pool_heads }) => {
+                    if (c.sliding_window, c.ratio, c.head_dim, c.pools.len()) != (sliding_window, ratio, head_dim, pool_heads.len()) {
                         return Err(err(
                             CarryField::Plan,
                             format!(
@@ -164,18 +126,20 @@ impl CarryState {
                                 c.ratio,
                                 c.head_dim,
                                 c.pools.len(),
-                                pools.len()
+                                pool_heads.len()
                             ),
                         ));
                     }
+                    let window_rows = geometry.window_rows(ratio, sliding_window, s);
                     if c.window.len() != window_rows * head_dim {
                         return Err(err(CarryField::Position, format!("layer {i}: window of {} values; at token {s} it holds {window_rows} rows of {head_dim}", c.window.len())));
                     }
-                    for (j, (p, e)) in c.pools.iter().zip(pools).enumerate() {
-                        if p.width != e.width {
-                            return Err(err(CarryField::Plan, format!("layer {i} pool {j}: rows of width {}, the model's are {}", p.width, e.width)));
+                    for (j, (p, &head)) in c.pools.iter().zip(pool_heads).enumerate() {
+                        let e = geometry.pool(ratio, head, s);
+                        if p.width != e.out {
+                            return Err(err(CarryField::Plan, format!("layer {i} pool {j}: rows of width {}, the model's are {}", p.width, e.out)));
                         }
-                        if p.pooled_rows != e.pooled_rows || p.buf_kv.len() != e.rem * e.width || p.buf_gate.len() != e.rem * e.width {
+                        if p.pooled_rows != e.pooled || p.buf_kv.len() != e.rem * e.out || p.buf_gate.len() != e.rem * e.out {
                             return Err(err(
                                 CarryField::Position,
                                 format!(
@@ -183,18 +147,18 @@ impl CarryState {
                                     p.pooled_rows,
                                     p.buf_kv.len(),
                                     p.buf_gate.len(),
-                                    e.pooled_rows,
+                                    e.pooled,
                                     e.rem,
-                                    e.width
+                                    e.out
                                 ),
                             ));
                         }
-                        match (&p.prev, e.prev) {
+                        match (&p.prev, e.prev > 0) {
                             (None, false) => {}
-                            (Some([k, g]), true) if k.len() == ratio * e.width && g.len() == ratio * e.width => {}
-                            (got, _) => {
+                            (Some([k, g]), true) if k.len() == e.prev * e.out && g.len() == e.prev * e.out => {}
+                            (got, carried) => {
                                 let what = got.as_ref().map_or("no previous window".to_string(), |[k, g]| format!("a previous window of {}/{} values", k.len(), g.len()));
-                                let want = if e.prev { format!("the previous window [{ratio}, {}]", e.width) } else { "none".to_string() };
+                                let want = if carried { format!("the previous window [{ratio}, {}]", e.out) } else { "none".to_string() };
                                 return Err(err(CarryField::Position, format!("layer {i} pool {j}: {what}; {} at token {s} carries {want}", self.format)));
                             }
                         }
@@ -202,7 +166,7 @@ impl CarryState {
                 }
                 (got, want) => {
                     let kind = |v4: bool| if v4 { "a DeepSeek-V4 layer" } else { "a KV layer" };
-                    return Err(err(CarryField::Plan, format!("layer {i}: {} carry, the model has {}", kind(matches!(got, LayerCarry::V4(_))), kind(matches!(want, Expected::V4 { .. })))));
+                    return Err(err(CarryField::Plan, format!("layer {i}: {} carry, the model has {}", kind(matches!(got, LayerCarry::V4(_))), kind(matches!(want, LayerShape::Windowed { .. })))));
                 }
             }
         }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::error::{CoreError, Result};
+use crate::geometry::Geometry;
 use crate::view::{LayerView, StateArray};
 use crate::weights::{DecoderWeights, LayerWeights};
 
@@ -95,7 +96,7 @@ impl CacheBuilder {
     /// size. Refused (naming what) unless the carry state was made from these weights and fits
     /// their plan.
     pub fn resume(weights: Arc<DecoderWeights>, carry: &CarryState) -> Result<Self> {
-        carry.check_for(&weights.fingerprint, carry.format, carry.block_size, &weights.plan)?;
+        carry.check_for(&weights.fingerprint, &Geometry::of(&weights.plan, carry.format, carry.block_size))?;
         let steps = DecoderSteps::for_format(carry.format, carry.block_size)?;
         let s = carry.position;
         let layers = weights

@@ -5,7 +5,8 @@ use half::bf16;
 
 use super::carry::{PoolCarry, V4Carry};
 use super::steps::DecoderSteps;
-use crate::format::{Overlap, PoolSum, WindowRows};
+use crate::format::{Overlap, PoolSum};
+use crate::geometry;
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
 use crate::view::{ArrayView, StateArray, V4BlockView};
@@ -21,8 +22,6 @@ use crate::weights::{CompressorWeights, V4LayerWeights};
 struct Window {
     size: usize,
     retain: usize,
-    /// Blocks store a compressed layer's raw rotating buffer (the fork), not its last `size` rows.
-    raw: bool,
     steps: DecoderSteps,
     head_dim: usize,
     eps: f32,
@@ -51,16 +50,6 @@ impl Window {
     fn tail(&self, n: usize) -> &[bf16] {
         let have = self.rows.len() / self.head_dim;
         &self.rows[(have - n.min(have)) * self.head_dim..]
-    }
-
-    /// Rows MLX's rotating buffer holds after `processed` tokens on the decoder's grid: all rows
-    /// of the current decoder call plus up to `size - 1` before it.
-    fn raw_rows(&self, processed: usize) -> usize {
-        if processed == 0 {
-            return 0;
-        }
-        let call_start = self.steps.call_of(processed - 1) * self.steps.step;
-        processed.min(self.size - 1 + (processed - call_start))
     }
 }
 
@@ -293,11 +282,7 @@ impl V4LayerState {
             processed: 0,
             window: Window {
                 size: plan.sliding_window,
-                retain: match steps.window_rows {
-                    WindowRows::Raw => plan.sliding_window - 1 + steps.step,
-                    WindowRows::Window => plan.sliding_window,
-                },
-                raw: steps.window_rows == WindowRows::Raw,
+                retain: geometry::window_retain(steps.window_rows, plan.sliding_window, steps.step),
                 steps,
                 head_dim: plan.head_dim,
                 eps: plan.rms_norm_eps,
@@ -364,8 +349,8 @@ impl V4LayerState {
     /// and its pools.
     pub fn block_view(&self) -> V4BlockView<'_> {
         let hd = self.window.head_dim;
-        let raw = self.is_cache_list() && self.window.raw;
-        let rows = if raw { self.window.raw_rows(self.processed) } else { self.processed.min(self.window.size) };
+        let steps = self.window.steps;
+        let rows = geometry::window_rows(steps.window_rows, self.ratio(), self.window.size, steps.step, self.processed);
         V4BlockView {
             offset: self.processed,
             sliding_window: self.window.size,
