@@ -19,9 +19,9 @@ use half::bf16;
 
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
-use crate::geometry::Geometry;
+use crate::family;
 use crate::pooler::{CacheBuilder, DecoderSteps, LayerState};
-use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
+use crate::segment::{BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
 use crate::wire::Seal;
 
@@ -95,7 +95,7 @@ impl Capture {
     /// size (also its prefill step grid).
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
-        let segments = SegmentPlan::new(Geometry::of(&weights.plan, format, block_size), request_id, &weights.fingerprint);
+        let segments = SegmentPlan::new(family::geometry(&weights.plan, format, block_size), request_id, &weights.fingerprint);
         #[cfg(feature = "cuda")]
         let w2 = weights.clone();
         Ok(Capture {
@@ -151,7 +151,7 @@ impl Capture {
     /// afterwards. Refused once a row was fed or a segment produced.
     pub fn resume_at(&mut self, carry: &crate::pooler::carry::CarryState) -> Result<()> {
         let weights = self.builder.weights().clone();
-        carry.check_for(&weights.fingerprint, &Geometry::of(&weights.plan, self.format, self.block_size))?;
+        carry.check_for(&weights.fingerprint, &family::geometry(&weights.plan, self.format, self.block_size))?;
         let full = self.blocks * self.block_size;
         if carry.position > full {
             return Err(CoreError::Carry {
@@ -324,30 +324,8 @@ impl Capture {
         if open.have[layer] {
             return Err(CoreError::input(layer, format!("block {block} of this layer was already taken")));
         }
-        let (start, end) = (open.plan.start, open.plan.end);
         let state = self.builder.layer_mut(layer).ok_or_else(|| CoreError::input(layer, "no such layer"))?;
-        match state {
-            LayerState::V4(s) => {
-                let deltas = s.drain_pools();
-                let v = s.block_view();
-                open.plan.fill_layer(layer, &mut open.body, |src| match *src {
-                    ArraySource::Window { .. } => Some(v.window.data),
-                    ArraySource::Remainder { pool, gate } => v.pools.get(pool).map(|p| p[gate as usize].data),
-                    ArraySource::Pooled { pool, r0, .. } => deltas.get(pool).filter(|d| d.0 == r0).map(|d| d.2.as_slice()),
-                    ArraySource::Prev { pool, gate } => v.prev.get(pool).copied().flatten().map(|p| p[gate as usize].data),
-                    _ => None,
-                })?;
-            }
-            LayerState::Mla(s) => {
-                let (k, v) = s.rows(start, end);
-                open.plan.fill_layer(layer, &mut open.body, |src| match src {
-                    ArraySource::Latent { .. } => Some(k.data),
-                    ArraySource::RopeKey { .. } => Some(v.data),
-                    _ => None,
-                })?;
-                s.drop_before(end);
-            }
-        }
+        state.take_part(&open.plan, layer, &mut open.body)?;
         open.have[layer] = true;
         open.missing -= 1;
         self.promote()

@@ -14,12 +14,12 @@
 //! The segment plan (what a capture ships), the store spec (what ingest admits and the validator
 //! accepts), the block layout (the delta pool's row range), the carry state (what a resumed
 //! capture needs) and the pooler's window retention all read these answers; none computes them
-//! itself. The layer shapes come from the decoder's plan; a format's rules from [`OmlxFormat`].
+//! itself. The layer shapes are the model family's answers ([`crate::family::Family::layer_shapes`]);
+//! a format's rules come from [`OmlxFormat`].
 
 use crate::format::{OmlxFormat, Overlap, WindowRows};
-use crate::plan::{ModelPlan, V4LayerKind};
 
-/// One layer's cache, as the decoder's plan gives it.
+/// One layer's cache, as the decoder's model family gives it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LayerShape {
     /// A rotating window of `sliding_window` rows `head_dim` wide, alone (`ratio` 0) or in a
@@ -31,23 +31,6 @@ pub enum LayerShape {
 }
 
 impl LayerShape {
-    /// The layers of `plan`'s decoder.
-    pub fn of_plan(plan: &ModelPlan) -> Vec<LayerShape> {
-        match plan {
-            ModelPlan::DeepseekV4(p) => (0..p.num_layers)
-                .map(|i| {
-                    let pool_heads = match p.layer_kind(i) {
-                        V4LayerKind::Window => vec![],
-                        V4LayerKind::Sparse => vec![p.head_dim, p.index_head_dim],
-                        V4LayerKind::Compressed => vec![p.head_dim],
-                    };
-                    LayerShape::Windowed { sliding_window: p.sliding_window, ratio: p.compress_ratios[i], head_dim: p.head_dim, pool_heads }
-                })
-                .collect(),
-            ModelPlan::Mla(p) => (0..p.num_layers).map(|_| LayerShape::Kv { keys: p.kv_lora_rank, values: p.rope_head_dim }).collect(),
-        }
-    }
-
     /// The compress ratio (0: a window alone, or a KV layer).
     pub fn ratio(&self) -> usize {
         match self {
@@ -127,11 +110,6 @@ pub struct Geometry {
 impl Geometry {
     pub fn new(format: OmlxFormat, block_size: usize, layers: Vec<LayerShape>) -> Self {
         Geometry { format, block_size, layers }
-    }
-
-    /// The geometry of `plan`'s decoder.
-    pub fn of(plan: &ModelPlan, format: OmlxFormat, block_size: usize) -> Self {
-        Self::new(format, block_size, LayerShape::of_plan(plan))
     }
 
     /// Arrays per pool in a segment (and states per pool in a block, the range aside):

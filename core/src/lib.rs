@@ -2,14 +2,22 @@
 //!
 //! The data path, in module order: [`plan`] (what the decoder caches, from its config) →
 //! [`weights`] (the decoder's own projection weights and their fingerprint) → [`pooler`] (the
-//! per-layer cache state, fed chunk by chunk) → segments, wire and the oMLX block writer (later
-//! modules). [`numerics`] holds the MLX arithmetic they all share.
+//! per-layer cache state, fed chunk by chunk, each layer's math its model [`family`]'s) →
+//! [`capture`] (segments at block boundaries, planned by [`segment`]) → [`segment_server`] and
+//! [`wire`] (the prefill host's side of the stream) → [`ingest`] and [`block`] (the decode host's
+//! side: the oMLX block writer and validator).
+//!
+//! What they share sits on the floors below: [`error`] and [`view`] (a layer's state as arrays),
+//! which import nothing of the crate, then [`numerics`] (the MLX arithmetic), [`format`] (which
+//! oMLX) and [`geometry`] (what a block holds at a boundary). `core/tests/no_import_cycle.rs`
+//! keeps the core's files free of import cycles.
 
 pub mod block;
 pub mod capture;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod family;
 pub mod format;
 pub mod geometry;
 pub mod ingest;

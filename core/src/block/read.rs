@@ -17,6 +17,7 @@ use super::chain::ChainHash;
 use super::validate::{inspect, Expect};
 use crate::error::{CarryField, CoreError, Result};
 use crate::format::{OmlxFormat, PoolLayout};
+use crate::family;
 use crate::geometry::{pool_out_dim, Geometry, LayerShape};
 use crate::plan::ModelPlan;
 use crate::pooler::carry::{err, CarryState, LayerCarry, PoolCarry, V4Carry};
@@ -77,7 +78,7 @@ impl CarryState {
         // SAFETY: blocks are immutable once named (writers rename complete files into place).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| CoreError::io(path, e))?;
         let block = BlockFile::parse(&map).map_err(|why| err(CarryField::Block, format!("{}: {why}", path.display())))?;
-        let geometry = Geometry::of(plan, format, block_size);
+        let geometry = family::geometry(plan, format, block_size);
         let layers = geometry
             .layers
             .iter()

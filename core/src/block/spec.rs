@@ -7,6 +7,7 @@
 use half::bf16;
 
 use crate::error::{CoreError, Result};
+use crate::family;
 use crate::format::OmlxFormat;
 use crate::geometry::{Geometry, LayerShape};
 use crate::plan::ModelPlan;
@@ -27,7 +28,7 @@ impl StoreSpec {
         if block_size == 0 {
             return Err(CoreError::config("block_size", "must be positive"));
         }
-        Ok(StoreSpec { geometry: Geometry::of(plan, format, block_size) })
+        Ok(StoreSpec { geometry: family::geometry(plan, format, block_size) })
     }
 
     /// The geometry a segment itself states, for a writer that was given no plan: later

@@ -22,7 +22,7 @@ use super::spec::StoreSpec;
 use super::validate::{inspect_with, move_aside, Expect, RejectKind};
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
-use crate::geometry::Geometry;
+use crate::family;
 use crate::plan::ModelPlan;
 use crate::pooler::LayerState;
 use crate::segment::Segment;
@@ -139,7 +139,7 @@ impl BlockWriter {
             return refuse(CarryField::Prefix, format!("taken at the end of block {}, this prompt's block ending at {s} is {}", theirs.hex(), ours.hex()));
         }
         if let Some(plan) = &self.plan {
-            carry.check(&Geometry::of(plan, self.format, self.block_size))?;
+            carry.check(&family::geometry(plan, self.format, self.block_size))?;
         }
         let rows = carry.pool_rows();
         st.asm = Assembler::resuming(self.format.pool_layout(), &rows)?;

@@ -489,7 +489,7 @@ mod tests {
     }
 
     fn check_format(format: OmlxFormat, plan: &ModelPlan, bs: usize, tokens: usize, chunks: &[usize]) {
-        let sp = SegmentPlan::new(crate::geometry::Geometry::of(plan, format, bs), "r", "fp");
+        let sp = SegmentPlan::new(crate::family::geometry(plan, format, bs), "r", "fp");
         let carried = format.overlap() == Overlap::Carried;
         let blocks = tokens / bs;
         let limit = blocks * bs;

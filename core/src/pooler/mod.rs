@@ -1,4 +1,7 @@
-//! The pooler: per-layer decoder cache state, fed one chunk of attention input at a time.
+//! The pooler: per-layer decoder cache state, fed one chunk of attention input at a time. The
+//! math of each layer is its model family's ([`crate::family`]); the pooler holds one
+//! [`LayerState`] per layer, checks that chunks arrive whole and in order, and resumes a request
+//! from its carry state ([`carry`]).
 //!
 //! After any sequence of chunks covering tokens `[0, T)` a layer's state holds exactly what the
 //! decoder's MLX caches hold after prefilling the same `T` tokens: for DeepSeek-V4 the rotating
@@ -9,61 +12,55 @@
 //! prefill into forward calls: its DeepSeek-V4 compressor starts the ratio-4 overlap afresh in
 //! every forward call (the first window of a call sees a zero previous window). That grid is
 //! [`DecoderSteps`], fixed per cache and independent of the input chunking. Upstream oMLX
-//! (0.5.2rc1 on, #2271) carries the previous window across calls ([`Overlap::Carried`]): there
-//! the grid changes nothing.
+//! (0.5.2rc1 on, #2271) carries the previous window across calls
+//! ([`crate::format::Overlap::Carried`]): there the grid changes nothing.
 
 pub mod carry;
-mod mla;
-mod steps;
-mod v4;
+pub mod steps;
 
 use std::sync::Arc;
 
 use half::bf16;
 
 use crate::error::{CoreError, Result};
-use crate::geometry::Geometry;
+use crate::family::{self, LayerMath};
+use crate::segment::BlockPlan;
 use crate::view::{LayerView, StateArray};
-use crate::weights::{DecoderWeights, LayerWeights};
+use crate::weights::DecoderWeights;
 
-use carry::{CarryState, LayerCarry};
-pub use mla::MlaLayerState;
+use carry::CarryState;
 pub use steps::DecoderSteps;
-pub use v4::V4LayerState;
 
-/// A layer's cache state, whichever model family it belongs to.
-#[derive(Clone, Debug)]
-pub enum LayerState {
-    V4(V4LayerState),
-    Mla(MlaLayerState),
+/// A layer's cache state, whichever model family computes it ([`crate::family`]).
+#[derive(Debug)]
+pub struct LayerState(Box<dyn LayerMath>);
+
+impl Clone for LayerState {
+    fn clone(&self) -> Self {
+        LayerState(self.0.boxed_clone())
+    }
 }
 
 impl LayerState {
     /// Tokens folded into the state.
     pub fn processed(&self) -> usize {
-        match self {
-            LayerState::V4(s) => s.processed(),
-            LayerState::Mla(s) => s.processed(),
-        }
+        self.0.processed()
     }
 
     /// The state as named arrays: what the decoder's cache objects hold for this layer.
     pub fn snapshot(&self) -> Vec<StateArray> {
-        match self {
-            LayerState::V4(s) => s.snapshot(),
-            LayerState::Mla(s) => s.snapshot(),
-        }
+        self.0.snapshot()
     }
 
     /// The state as the block `[start, end)` stores it (the state has processed `end` tokens).
     pub fn view(&self, start: usize, end: usize) -> LayerView<'_> {
-        match self {
-            LayerState::V4(s) => LayerView::V4(s.block_view()),
-            LayerState::Mla(s) => {
-                let (latent, k_pe) = s.rows(start, end);
-                LayerView::Kv(latent, k_pe)
-            }
-        }
+        self.0.view(start, end)
+    }
+
+    /// The streaming capture: copy this layer's part of `block`'s segment (layer `layer` of its
+    /// plan) into `body` once the state reached the block's end, and drop what it no longer needs.
+    pub fn take_part(&mut self, block: &BlockPlan, layer: usize, body: &mut [bf16]) -> Result<()> {
+        self.0.take_part(block, layer, body)
     }
 }
 
@@ -78,16 +75,8 @@ pub struct CacheBuilder {
 
 impl CacheBuilder {
     pub fn new(weights: Arc<DecoderWeights>, steps: DecoderSteps) -> Self {
-        let layers = weights
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, lw)| match (lw, &weights.plan) {
-                (LayerWeights::V4(_), crate::plan::ModelPlan::DeepseekV4(p)) => LayerState::V4(V4LayerState::new(p, i, steps)),
-                (LayerWeights::Mla(_), crate::plan::ModelPlan::Mla(p)) => LayerState::Mla(MlaLayerState::new(p)),
-                _ => unreachable!("weights are loaded per plan family"),
-            })
-            .collect();
+        let family = family::of(&weights.plan);
+        let layers = (0..weights.layers.len()).map(|i| LayerState(family.new_layer(&weights.plan, i, steps))).collect();
         CacheBuilder { weights, layers, origin: 0 }
     }
 
@@ -96,20 +85,16 @@ impl CacheBuilder {
     /// size. Refused (naming what) unless the carry state was made from these weights and fits
     /// their plan.
     pub fn resume(weights: Arc<DecoderWeights>, carry: &CarryState) -> Result<Self> {
-        carry.check_for(&weights.fingerprint, &Geometry::of(&weights.plan, carry.format, carry.block_size))?;
+        carry.check_for(&weights.fingerprint, &family::geometry(&weights.plan, carry.format, carry.block_size))?;
         let steps = DecoderSteps::for_format(carry.format, carry.block_size)?;
         let s = carry.position;
-        let layers = weights
+        let family = family::of(&weights.plan);
+        let layers = carry
             .layers
             .iter()
-            .zip(&carry.layers)
             .enumerate()
-            .map(|(i, (lw, c))| match (lw, &weights.plan, c) {
-                (LayerWeights::V4(_), crate::plan::ModelPlan::DeepseekV4(p), LayerCarry::V4(c)) => LayerState::V4(V4LayerState::resume(p, i, steps, c, s)),
-                (LayerWeights::Mla(_), crate::plan::ModelPlan::Mla(p), LayerCarry::Kv) => LayerState::Mla(MlaLayerState::resume(p, s)),
-                _ => unreachable!("CarryState::check_for matched the layers to the plan"),
-            })
-            .collect();
+            .map(|(i, c)| family.resume_layer(&weights.plan, i, steps, c, s).map(LayerState))
+            .collect::<Result<Vec<_>>>()?;
         Ok(CacheBuilder { weights, layers, origin: s })
     }
 
@@ -163,12 +148,7 @@ impl CacheBuilder {
             return Err(CoreError::input(layer, why));
         }
         let rows = x.len() / hidden;
-        match (state, &self.weights.layers[layer]) {
-            (LayerState::V4(s), LayerWeights::V4(w)) => s.feed(w, start, rows, x),
-            (LayerState::Mla(s), LayerWeights::Mla(w)) => s.feed(w, start, rows, x),
-            _ => unreachable!("states are built per plan family"),
-        }
-        Ok(())
+        state.0.feed(&self.weights.layers[layer], start, rows, x)
     }
 
     pub fn layer(&self, layer: usize) -> Option<&LayerState> {

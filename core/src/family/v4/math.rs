@@ -1,10 +1,10 @@
-//! DeepSeek-V4: the rotating window, the compressor pools and the indexer pool of one layer,
-//! following oMLX's MLX model (`omlx/patches/deepseek_v4`) operation by operation.
+//! DeepSeek-V4's math: the rotating window, the compressor pools and the indexer pool of one
+//! layer, following oMLX's MLX model (`omlx/patches/deepseek_v4`) operation by operation.
 
 use half::bf16;
 
-use super::carry::{PoolCarry, V4Carry};
-use super::steps::DecoderSteps;
+use crate::pooler::carry::{PoolCarry, V4Carry};
+use crate::pooler::steps::DecoderSteps;
 use crate::format::{Overlap, PoolSum};
 use crate::geometry;
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
@@ -296,7 +296,7 @@ impl V4LayerState {
     }
 
     /// The state after `position` tokens (a block boundary) from the decoder's carry state there,
-    /// which [`super::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
+    /// which [`crate::pooler::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
     /// previous window is carried: its overlap restarts at every forward call, and one starts at
     /// each block boundary.
     pub(super) fn resume(plan: &V4Plan, layer: usize, steps: DecoderSteps, carry: &V4Carry, position: usize) -> Self {

@@ -1,5 +1,5 @@
-//! DeepSeek-V3-style MLA: per token the normalised latent and the rotated shared key, as
-//! mlx-lm's `DeepseekV3Attention` stores them in its `KVCache` (keys = latent, values = k_pe).
+//! MLA's math (DeepSeek-V3 style): per token the normalised latent and the rotated shared key,
+//! as mlx-lm's `DeepseekV3Attention` stores them in its `KVCache` (keys = latent, values = k_pe).
 
 use half::bf16;
 
