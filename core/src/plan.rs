@@ -95,6 +95,15 @@ impl ModelPlan {
         }
     }
 
+    /// The rotating window every layer keeps, for a family whose layers have one.
+    pub fn sliding_window(&self) -> Option<usize> {
+        match self {
+            ModelPlan::DeepseekV4(p) => Some(p.sliding_window),
+            ModelPlan::Mla(_) => None,
+        }
+    }
+
+    /// The model family's name: its entry in `crate::family::FAMILIES`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelPlan::DeepseekV4(_) => "deepseek_v4",
