@@ -16,10 +16,9 @@
 use std::time::Instant;
 
 use half::bf16;
-use pd_bridge_core::block::layout::LayerView;
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::format::PoolLayout;
-use pd_bridge_core::pooler::{ArrayView, V4BlockView};
+use pd_bridge_core::view::{ArrayView, LayerView, V4BlockView};
 use pd_bridge_core::OmlxFormat;
 
 const LAYERS: usize = 43;

@@ -13,8 +13,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use half::bf16;
-use pd_bridge_core::block::layout::LayerView;
-use pd_bridge_core::pooler::ArrayView;
+use pd_bridge_core::view::{ArrayView, LayerView};
 use pd_bridge_core::segment::Segment;
 use pd_bridge_core::wire::secure::{self, Hello};
 use pd_bridge_core::wire::{send_seal, send_segment, CaptureKey, CaptureSecret, Event, FrameLimits, PlainFrames, PromptDigest, Seal, SegmentReader};

@@ -19,8 +19,9 @@ use half::bf16;
 
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
+use crate::family;
 use crate::pooler::{CacheBuilder, DecoderSteps, LayerState};
-use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
+use crate::segment::{BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
 use crate::wire::Seal;
 
@@ -80,7 +81,7 @@ pub struct Capture {
     gpu_fallback: bool,
     /// The carry state a resumed capture started from: the GPU backend starts there too.
     #[cfg(feature = "cuda")]
-    carry: Option<crate::carry::CarryState>,
+    carry: Option<crate::pooler::carry::CarryState>,
 }
 
 impl Capture {
@@ -94,7 +95,7 @@ impl Capture {
     /// size (also its prefill step grid).
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
-        let segments = SegmentPlan::new(format, &weights.plan, block_size, request_id, &weights.fingerprint);
+        let segments = SegmentPlan::new(family::geometry(&weights.plan, format, block_size), request_id, &weights.fingerprint);
         #[cfg(feature = "cuda")]
         let w2 = weights.clone();
         Ok(Capture {
@@ -139,7 +140,7 @@ impl Capture {
     /// prefill engine may recompute from wherever its own prefix cache ends; rows from `S` on
     /// must all be fed. Refused, naming what disagrees, unless the carry state was made from
     /// these weights, for this format and block size, and `S` is within the prompt's full blocks.
-    pub fn resume(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize, carry: &crate::carry::CarryState) -> Result<Self> {
+    pub fn resume(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize, carry: &crate::pooler::carry::CarryState) -> Result<Self> {
         let mut cap = Self::with_format(format, weights, request_id, prompt_tokens, block_size)?;
         cap.resume_at(carry)?;
         Ok(cap)
@@ -148,13 +149,13 @@ impl Capture {
     /// Make this capture, before anything was fed to it, one resumed from `carry` (see
     /// [`Self::resume`]): for callers that create the capture first and learn of the carry state
     /// afterwards. Refused once a row was fed or a segment produced.
-    pub fn resume_at(&mut self, carry: &crate::carry::CarryState) -> Result<()> {
+    pub fn resume_at(&mut self, carry: &crate::pooler::carry::CarryState) -> Result<()> {
         let weights = self.builder.weights().clone();
-        carry.check_for(&weights.fingerprint, self.format, self.block_size, &weights.plan)?;
+        carry.check_for(&weights.fingerprint, &family::geometry(&weights.plan, self.format, self.block_size))?;
         let full = self.blocks * self.block_size;
         if carry.position > full {
             return Err(CoreError::Carry {
-                what: crate::carry::CarryField::Position,
+                what: crate::error::CarryField::Position,
                 reason: format!("resume point {} is past the prompt's last full block (it ends at {full})", carry.position),
             });
         }
@@ -323,30 +324,8 @@ impl Capture {
         if open.have[layer] {
             return Err(CoreError::input(layer, format!("block {block} of this layer was already taken")));
         }
-        let (start, end) = (open.plan.start, open.plan.end);
         let state = self.builder.layer_mut(layer).ok_or_else(|| CoreError::input(layer, "no such layer"))?;
-        match state {
-            LayerState::V4(s) => {
-                let deltas = s.drain_pools();
-                let v = s.block_view();
-                open.plan.fill_layer(layer, &mut open.body, |src| match *src {
-                    ArraySource::Window { .. } => Some(v.window.data),
-                    ArraySource::Remainder { pool, gate } => v.pools.get(pool).map(|p| p[gate as usize].data),
-                    ArraySource::Pooled { pool, r0, .. } => deltas.get(pool).filter(|d| d.0 == r0).map(|d| d.2.as_slice()),
-                    ArraySource::Prev { pool, gate } => v.prev.get(pool).copied().flatten().map(|p| p[gate as usize].data),
-                    _ => None,
-                })?;
-            }
-            LayerState::Mla(s) => {
-                let (k, v) = s.rows(start, end);
-                open.plan.fill_layer(layer, &mut open.body, |src| match src {
-                    ArraySource::Latent { .. } => Some(k.data),
-                    ArraySource::RopeKey { .. } => Some(v.data),
-                    _ => None,
-                })?;
-                s.drop_before(end);
-            }
-        }
+        state.take_part(&open.plan, layer, &mut open.body)?;
         open.have[layer] = true;
         open.missing -= 1;
         self.promote()

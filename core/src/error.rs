@@ -1,5 +1,7 @@
 //! Typed errors of the core. Every rejection names what was wrong; the binding crates map each
 //! variant to its own Python exception.
+//!
+//! The ground floor: this file imports nothing of the crate, so every other file may use it.
 
 use std::path::PathBuf;
 
@@ -44,7 +46,43 @@ pub enum CoreError {
     /// the capture: `what` names the part that disagrees (weights, format, block size, position,
     /// layers) or the block file it could not be read from.
     #[error("carry state, {what}: {reason}")]
-    Carry { what: crate::carry::CarryField, reason: String },
+    Carry { what: CarryField, reason: String },
+}
+
+/// What a carry state disagrees on (or why it cannot be read), for [`CoreError::Carry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CarryField {
+    /// The bytes: magic, version, checksum, header, array lengths.
+    Framing,
+    /// Made from other decoder weights.
+    Fingerprint,
+    /// Made for another oMLX block format.
+    Format,
+    /// Made for another block size.
+    BlockSize,
+    /// Not at the position it claims, off the block grid, or past the prompt.
+    Position,
+    /// Layers that do not fit the model: count, kinds, ratios, widths.
+    Plan,
+    /// The block file it is read from is invalid or not what it should be.
+    Block,
+    /// Taken at the end of another prefix (its chain hash is not this prompt's).
+    Prefix,
+}
+
+impl std::fmt::Display for CarryField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CarryField::Framing => "framing",
+            CarryField::Fingerprint => "weights fingerprint",
+            CarryField::Format => "oMLX block format",
+            CarryField::BlockSize => "block size",
+            CarryField::Position => "position",
+            CarryField::Plan => "model plan",
+            CarryField::Block => "block file",
+            CarryField::Prefix => "prefix",
+        })
+    }
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;

@@ -164,14 +164,14 @@ impl OmlxFormat {
     /// (`_align_block_size_with_rotating_window`), a pooling model (DeepSeek-V4) upstream takes
     /// 2,048 (`_POOLING_ROTATING_BLOCK_SIZE`).
     pub fn block_size(self, plan: &ModelPlan) -> usize {
-        match plan {
-            ModelPlan::Mla(_) => 256,
-            ModelPlan::DeepseekV4(p) => {
+        match plan.sliding_window() {
+            None => 256,
+            Some(window) => {
                 let (lo, hi) = match self {
                     OmlxFormat::Fork070 => (512, 1024),
                     OmlxFormat::Upstream063 => (2048, 2048),
                 };
-                let w = p.sliding_window.max(1);
+                let w = window.max(1);
                 if w >= lo {
                     w
                 } else {

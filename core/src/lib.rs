@@ -2,17 +2,24 @@
 //!
 //! The data path, in module order: [`plan`] (what the decoder caches, from its config) →
 //! [`weights`] (the decoder's own projection weights and their fingerprint) → [`pooler`] (the
-//! per-layer cache state, fed chunk by chunk) → segments, wire and the oMLX block writer (later
-//! modules). [`numerics`] holds the MLX arithmetic they all share.
+//! per-layer cache state, fed chunk by chunk, each layer's math its model [`family`]'s) →
+//! [`capture`] (segments at block boundaries, planned by [`segment`]) → [`segment_server`] and
+//! [`wire`] (the prefill host's side of the stream) → [`ingest`] and [`block`] (the decode host's
+//! side: the oMLX block writer and validator).
+//!
+//! What they share sits on the floors below: [`error`] and [`view`] (a layer's state as arrays),
+//! which import nothing of the crate, then [`numerics`] (the MLX arithmetic), [`format`] (which
+//! oMLX) and [`geometry`] (what a block holds at a boundary). `core/tests/no_import_cycle.rs`
+//! keeps the core's files free of import cycles.
 
-pub mod assembler;
 pub mod block;
 pub mod capture;
-pub mod carry;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod family;
 pub mod format;
+pub mod geometry;
 pub mod ingest;
 pub mod numerics;
 pub mod plan;
@@ -22,11 +29,13 @@ pub mod segment_server;
 pub(crate) mod sync;
 // DeepSeek-V4.1's cache math: a family of its own (plan, weights, state, carry), see its docs.
 pub mod v41;
+pub mod view;
 pub mod weights;
 pub mod wire;
 
 pub use error::{CoreError, Result};
 pub use format::OmlxFormat;
 pub use plan::ModelPlan;
-pub use pooler::{CacheBuilder, DecoderSteps, StateArray};
+pub use pooler::{CacheBuilder, DecoderSteps};
+pub use view::StateArray;
 pub use weights::DecoderWeights;

@@ -74,6 +74,13 @@ impl ModelPlan {
         match model_type.as_str() {
             "deepseek_v4" => Ok(ModelPlan::DeepseekV4(v4_plan(obj)?)),
             "deepseek_v3" | "kimi_k2" => Ok(ModelPlan::Mla(mla_plan(obj)?)),
+            // Its cache math exists (`crate::v41`, bit-exact against mlx-lm 0.32.2), but oMLX's
+            // block format for it is not known here: no block may be written that oMLX would read
+            // differently, so the bridge refuses it and the prompt prefills natively.
+            "deepseek_v41" => Err(CoreError::config(
+                "model_type",
+                "\"deepseek_v41\" (DeepSeek-V4.1) is not bridged yet: its cache math is in pd-bridge, but oMLX's block format for it is not; the prompt prefills natively",
+            )),
             other => Err(CoreError::config(
                 "model_type",
                 format!("{other:?} is not supported (supported: \"deepseek_v4\", \"deepseek_v3\", \"kimi_k2\")"),
@@ -95,6 +102,15 @@ impl ModelPlan {
         }
     }
 
+    /// The rotating window every layer keeps, for a family whose layers have one.
+    pub fn sliding_window(&self) -> Option<usize> {
+        match self {
+            ModelPlan::DeepseekV4(p) => Some(p.sliding_window),
+            ModelPlan::Mla(_) => None,
+        }
+    }
+
+    /// The model family's name: its entry in `crate::family::FAMILIES`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelPlan::DeepseekV4(_) => "deepseek_v4",
@@ -277,6 +293,7 @@ mod tests {
             ("[]", "config.json"),
             (r#"{"hidden_size":1}"#, "model_type"),
             (r#"{"model_type":"llama"}"#, "model_type"),
+            (r#"{"model_type":"deepseek_v41","hidden_size":8,"num_hidden_layers":2}"#, "model_type"),
             (r#"{"model_type":"deepseek_v4","hidden_size":256}"#, "num_hidden_layers"),
             (r#"{"model_type":"deepseek_v4","hidden_size":-1,"num_hidden_layers":2}"#, "hidden_size"),
             (r#"{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":2,"compress_ratios":[0,5]}"#, "compress_ratios[1]"),
@@ -293,5 +310,12 @@ mod tests {
                 other => panic!("{text}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn deepseek_v41_is_refused_saying_why() {
+        let e = ModelPlan::from_config_json(r#"{"model_type":"deepseek_v41","hidden_size":8,"num_hidden_layers":2}"#).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("not bridged yet") && msg.contains("oMLX's block format"), "{msg}");
     }
 }

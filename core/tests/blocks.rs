@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use pd_bridge_core::block::layout::LayerView;
+use pd_bridge_core::view::LayerView;
 use pd_bridge_core::block::validate::{inspect, inspect_with, Expect, RejectKind, QUARANTINE_DIR};
 use pd_bridge_core::block::{block_path, BlockWriter};
 use pd_bridge_core::capture::Capture;
@@ -85,7 +85,7 @@ fn segment_for_the_wrong_block_is_refused() {
     for layer in 0..2 {
         b.feed(layer, 0, &random_rows(&mut rng, 64, w.plan.hidden_size())).unwrap();
     }
-    let views: Vec<LayerView<'_>> = b.layers().iter().map(|l| LayerView::of(l, 0, 64)).collect();
+    let views: Vec<LayerView<'_>> = b.layers().iter().map(|l| l.view(0, 64)).collect();
     let mut seg = Segment::from_views(pd_bridge_core::OmlxFormat::Fork070, "r", &w.fingerprint, 0, 0, 64, &views);
     seg.header.index = 1;
     let ws = BlockWriter::new(temp_dir("wrong"), "/m", 64, &(0..200).collect::<Vec<u32>>()).unwrap();

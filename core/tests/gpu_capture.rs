@@ -156,7 +156,7 @@ fn flash_sized_capture_gpu_equals_cpu() {
 /// seal the same, with the carry state taken from a CPU cache fed up to `s`.
 #[cfg(feature = "cuda")]
 fn check_resumed(name: &str, format: OmlxFormat, w: Arc<DecoderWeights>, tokens: usize, block: usize, s: usize, lead: usize, sizes: &[&[usize]]) {
-    use pd_bridge_core::carry::CarryState;
+    use pd_bridge_core::pooler::carry::CarryState;
     use pd_bridge_core::{CacheBuilder, DecoderSteps};
     let name = &format!("{name} ({format}) resumed at {s}");
     std::env::set_var("PD_BRIDGE_GPU_GEMM", "exact");

@@ -13,7 +13,8 @@ use std::sync::{Arc, OnceLock};
 use half::bf16;
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;
-use pd_bridge_core::carry::{CarryField, CarryState, LayerCarry};
+use pd_bridge_core::pooler::carry::{CarryState, LayerCarry};
+use pd_bridge_core::error::CarryField;
 use pd_bridge_core::segment::Segment;
 use pd_bridge_core::wire::Seal;
 use pd_bridge_core::{CacheBuilder, CoreError, DecoderSteps, DecoderWeights, OmlxFormat, StateArray};
@@ -179,7 +180,7 @@ fn carried_remainders_and_previous_window_matter() {
         o.segments
             .iter()
             .flat_map(|g| match &g.views().unwrap()[l] {
-                pd_bridge_core::block::layout::LayerView::V4(v) => v.pools.iter().flat_map(|p| p[2].data.to_vec()).collect::<Vec<_>>(),
+                pd_bridge_core::view::LayerView::V4(v) => v.pools.iter().flat_map(|p| p[2].data.to_vec()).collect::<Vec<_>>(),
                 _ => panic!("a V4 layer"),
             })
             .collect()

@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use pd_bridge_core::assembler::Assembler;
+use pd_bridge_core::block::assembler::Assembler;
 use pd_bridge_core::block::validate::{inspect, Expect};
 use pd_bridge_core::block::BlockWriter;
 use pd_bridge_core::capture::Capture;

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use half::bf16;
-use pd_bridge_core::carry::CarryField;
+use pd_bridge_core::error::CarryField;
 use pd_bridge_core::v41::{V41Array, V41Carry, V41CacheBuilder, V41Weights};
 use pd_bridge_core::CoreError;
 use proptest::prelude::*;

@@ -9,9 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use pd_bridge_core::block::layout::LayerView;
 use pd_bridge_core::block::BlockWriter;
-use pd_bridge_core::pooler::ArrayView;
+use pd_bridge_core::view::{ArrayView, LayerView};
 use pd_bridge_core::segment::Segment;
 use pd_bridge_core::ingest::{ingest, IngestControl, Pull};
 use pd_bridge_core::segment_server::{SegmentServer, ServerConfig};

@@ -148,7 +148,7 @@ impl BlockWriter {
     fn resume(&self, py: Python<'_>, carry_state: &[u8]) -> PyResult<usize> {
         guard(|| {
             py.detach(|| {
-                let carry = pd_bridge_core::carry::CarryState::decode(carry_state)?;
+                let carry = pd_bridge_core::pooler::carry::CarryState::decode(carry_state)?;
                 self.inner.resume_at(&carry)?;
                 Ok(self.inner.next_block())
             })
@@ -298,7 +298,7 @@ fn carry_state<'py>(py: Python<'py>, weights: &Weights, path: std::path::PathBuf
         let format = format_of(Some(omlx_format))?;
         let w = &weights.inner;
         let bytes = py
-            .detach(|| pd_bridge_core::carry::CarryState::from_block_file(&path, &w.plan, &w.fingerprint, format, block_size, position).map(|c| c.encode()))
+            .detach(|| pd_bridge_core::pooler::carry::CarryState::from_block_file(&path, &w.plan, &w.fingerprint, format, block_size, position).map(|c| c.encode()))
             .map_err(to_py)?;
         Ok(PyBytes::new(py, &bytes))
     })

@@ -219,7 +219,7 @@ impl Capture {
         guard(|| {
             let inner = &mut self.inner;
             py.detach(|| {
-                let carry = pd_bridge_core::carry::CarryState::decode(carry_state)?;
+                let carry = pd_bridge_core::pooler::carry::CarryState::decode(carry_state)?;
                 inner.resume_at(&carry)?;
                 Ok(carry.position)
             })

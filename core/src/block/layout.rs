@@ -17,28 +17,9 @@ use super::file::{Tensor, TensorData};
 use super::pyjson::{Json, COMPACT_SORTED, DEFAULT};
 use crate::error::{CoreError, Result};
 use crate::format::{OmlxFormat, PoolLayout};
-use crate::pooler::{ArrayView, LayerState, V4BlockView};
-
-/// One layer's state as a block stores it, borrowed from wherever it lives.
-pub enum LayerView<'a> {
-    /// DeepSeek-V4: a rotating window alone, or in a `CacheList` with its pools.
-    V4(V4BlockView<'a>),
-    /// A plain `KVCache` slice: `(keys [rows, dk], values [rows, dv])`.
-    Kv(ArrayView<'a>, ArrayView<'a>),
-}
-
-impl<'a> LayerView<'a> {
-    /// The view of a pooler layer state for the block `[start, end)`.
-    pub fn of(layer: &'a LayerState, start: usize, end: usize) -> Self {
-        match layer {
-            LayerState::V4(s) => LayerView::V4(s.block_view()),
-            LayerState::Mla(s) => {
-                let (latent, k_pe) = s.rows(start, end);
-                LayerView::Kv(latent, k_pe)
-            }
-        }
-    }
-}
+use crate::geometry::pooled_range;
+use crate::pooler::LayerState;
+use crate::view::{ArrayView, LayerView, V4BlockView};
 
 /// The tensors and metadata of one block.
 pub struct BlockContents<'a> {
@@ -108,7 +89,7 @@ fn pooling<'a>(arrays: &[ArrayView<'a>; 3]) -> Vec<Element<'a>> {
 fn pooling_delta<'a>(layer: usize, v: &V4BlockView<'a>, j: usize, ratio: usize, block_size: usize) -> Result<Vec<Element<'a>>> {
     let [kv, gate, pooled] = &v.pools[j];
     let first = v.pool_first.get(j).copied().unwrap_or(0);
-    let (start, end) = (v.offset.saturating_sub(block_size) / ratio, v.offset / ratio);
+    let (start, end) = pooled_range(ratio, block_size, v.offset);
     if first > start || first + pooled.rows != end {
         return Err(CoreError::input(layer, format!("pool {j} holds rows [{first}, {}), the block's delta is [{start}, {end})", first + pooled.rows)));
     }
@@ -229,14 +210,11 @@ pub fn block_contents<'a>(format: OmlxFormat, model_name: &str, hash: &ChainHash
     }
     let mut views = Vec::with_capacity(layers.len());
     for (i, layer) in layers.iter().enumerate() {
-        let processed = match layer {
-            LayerState::V4(s) => s.processed(),
-            LayerState::Mla(s) => s.processed(),
-        };
+        let processed = layer.processed();
         if processed != end {
             return Err(CoreError::input(i, format!("has processed {processed} tokens; the block ends at {end}")));
         }
-        views.push(LayerView::of(layer, start, end));
+        views.push(layer.view(start, end));
     }
     contents(format, model_name, hash, end - start, &views, created_at)
 }

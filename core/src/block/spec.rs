@@ -1,51 +1,22 @@
-//! What every array of a block must look like, from the decoder's plan and oMLX's block format:
-//! the shapes ingest checks each segment against before anything is written, and the shapes
-//! the validator checks a block file's tensors against before oMLX may index it.
-//!
-//! At a block ending at token `E` a DeepSeek-V4 layer of ratio `r` holds its window (`head_dim`
-//! wide; the last `min(E, sliding_window)` rows, or with the fork's raw rotating buffer up to
-//! `sliding_window - 1 + block_size`), and per pool (compressor `head_dim`, then for ratio 4 the
-//! indexer `index_head_dim`) `E mod r` remainder rows `out` wide (`2·head` for ratio 4, else
-//! `head`), the pooled rows up to `E / r` (`head` wide) and, where the decoder carries the
-//! overlap, the previous ratio-4 window (`r` rows `out` wide once one exists). An MLA layer holds
-//! the block's own `block_size` rows of latent (`kv_lora_rank`) and rotated key
-//! (`qk_rope_head_dim`). The wire carries bf16 only, the decoder's cache dtype.
+//! What every array of a block must look like, checked: the shapes ingest checks each segment
+//! against before anything is written, and (through the validator) the shapes a block file's
+//! tensors must have before oMLX may index it. The shapes themselves are the block geometry's
+//! ([`crate::geometry`]), from the decoder's plan, or, for a writer that knows no plan, inferred
+//! from the stream's first segment. The wire carries bf16 only, the decoder's cache dtype.
 
 use half::bf16;
 
 use crate::error::{CoreError, Result};
-use crate::format::{OmlxFormat, Overlap, WindowRows};
+use crate::family;
+use crate::format::OmlxFormat;
+use crate::geometry::{Geometry, LayerShape};
 use crate::plan::ModelPlan;
 use crate::segment::{ArrayShape, LayerKind, Segment};
 
-/// One layer's cache geometry.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LayerSpec {
-    V4 {
-        sliding_window: usize,
-        ratio: usize,
-        head_dim: usize,
-        /// Head width of each pool: the compressor's, then (ratio 4) the indexer's.
-        pool_heads: Vec<usize>,
-    },
-    Kv { keys: usize, values: usize },
-}
-
-/// Every layer's geometry for one oMLX block format and block size.
+/// Every layer's geometry for one oMLX block format and block size, and the checks against it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoreSpec {
-    pub format: OmlxFormat,
-    pub block_size: usize,
-    pub layers: Vec<LayerSpec>,
-}
-
-/// A pool's raw remainder rows are `out` wide: the ratio-4 compressor keeps both overlap lanes.
-pub fn pool_out_dim(ratio: usize, head: usize) -> usize {
-    if ratio == 4 {
-        2 * head
-    } else {
-        head
-    }
+    pub geometry: Geometry,
 }
 
 const POOL_NAMES: [&str; 2] = ["compressor", "indexer"];
@@ -57,21 +28,7 @@ impl StoreSpec {
         if block_size == 0 {
             return Err(CoreError::config("block_size", "must be positive"));
         }
-        let layers = match plan {
-            ModelPlan::DeepseekV4(p) => (0..p.num_layers)
-                .map(|i| {
-                    let ratio = p.compress_ratios[i];
-                    let pool_heads = match ratio {
-                        0 => vec![],
-                        4 => vec![p.head_dim, p.index_head_dim],
-                        _ => vec![p.head_dim],
-                    };
-                    LayerSpec::V4 { sliding_window: p.sliding_window, ratio, head_dim: p.head_dim, pool_heads }
-                })
-                .collect(),
-            ModelPlan::Mla(p) => (0..p.num_layers).map(|_| LayerSpec::Kv { keys: p.kv_lora_rank, values: p.rope_head_dim }).collect(),
-        };
-        Ok(StoreSpec { format, block_size, layers })
+        Ok(StoreSpec { geometry: family::geometry(plan, format, block_size) })
     }
 
     /// The geometry a segment itself states, for a writer that was given no plan: later
@@ -79,13 +36,13 @@ impl StoreSpec {
     /// (a V4 pool's remainder widths must follow from its head width and ratio).
     pub fn infer(seg: &Segment, format: OmlxFormat, block_size: usize) -> Result<Self> {
         let block = seg.header.index as u64;
-        let arity = arity(format);
+        let arity = Geometry::new(format, block_size, vec![]).arity();
         let mut layers = Vec::with_capacity(seg.header.layers.len());
         for (i, l) in seg.header.layers.iter().enumerate() {
             let bad = |reason: String| CoreError::segment(block, Some(i), None, reason);
             layers.push(match &l.kind {
                 LayerKind::Kv => match l.arrays.as_slice() {
-                    [k, v] => LayerSpec::Kv { keys: k.width as usize, values: v.width as usize },
+                    [k, v] => LayerShape::Kv { keys: k.width as usize, values: v.width as usize },
                     a => return Err(bad(format!("a KV layer has exactly two arrays, this one {}", a.len()))),
                 },
                 LayerKind::V4 { sliding_window, ratio, pool_starts, .. } => {
@@ -95,13 +52,13 @@ impl StoreSpec {
                         return Err(bad(format!("{} arrays for {npools} pools; {} writes {arity} per pool after the window", l.arrays.len(), format)));
                     }
                     let pool_heads = (0..npools).map(|j| l.arrays[1 + j * arity + 2].width as usize).collect();
-                    LayerSpec::V4 { sliding_window: *sliding_window as usize, ratio, head_dim: window.width as usize, pool_heads }
+                    LayerShape::Windowed { sliding_window: *sliding_window as usize, ratio, head_dim: window.width as usize, pool_heads }
                 }
             });
         }
-        let spec = StoreSpec { format, block_size, layers };
-        for (i, l) in spec.layers.iter().enumerate() {
-            if let LayerSpec::V4 { sliding_window, ratio, pool_heads, .. } = l {
+        let spec = StoreSpec { geometry: Geometry::new(format, block_size, layers) };
+        for (i, l) in spec.geometry.layers.iter().enumerate() {
+            if let LayerShape::Windowed { sliding_window, ratio, pool_heads, .. } = l {
                 let want = match ratio {
                     0 => 0,
                     4 => 2,
@@ -117,28 +74,16 @@ impl StoreSpec {
 
     /// Arrays per pool in a segment (and states per pool in a block, the range aside).
     pub fn arity(&self) -> usize {
-        arity(self.format)
-    }
-
-    /// Window rows a block ending at `end` may hold for a V4 layer: exactly the last
-    /// `min(end, window)`, or with the fork's raw rotating buffer of a compressed layer up to
-    /// `window - 1` rows before the decoder's last call (at most a block) plus that call's.
-    pub fn window_rows(&self, ratio: usize, sliding_window: usize, end: usize) -> (usize, usize) {
-        let last = end.min(sliding_window);
-        if ratio == 0 || self.format.window_rows() == WindowRows::Window {
-            (last, last)
-        } else {
-            (last, end.min(sliding_window.saturating_sub(1) + self.block_size))
-        }
+        self.geometry.arity()
     }
 
     /// Pool rows per pool received so far, before the first segment.
     pub fn no_pool_rows(&self) -> Vec<Vec<u64>> {
-        self.layers
+        self.geometry.layers
             .iter()
             .map(|l| match l {
-                LayerSpec::V4 { pool_heads, .. } => vec![0; pool_heads.len()],
-                LayerSpec::Kv { .. } => Vec::new(),
+                LayerShape::Windowed { pool_heads, .. } => vec![0; pool_heads.len()],
+                LayerShape::Kv { .. } => Vec::new(),
             })
             .collect()
     }
@@ -154,16 +99,16 @@ impl StoreSpec {
         if block != next_index {
             return Err(head(format!("out of order: block {next_index} is the next one this stream may carry")));
         }
-        let b = self.block_size as u64;
+        let b = self.geometry.block_size as u64;
         let (start, end) = (block * b, (block + 1) * b);
         if (h.start, h.end) != (start, end) {
             return Err(head(format!("covers tokens [{}, {}), not its block [{start}, {end}) on the {b}-token block grid", h.start, h.end)));
         }
-        if h.omlx_format != self.format.name() {
-            return Err(head(format!("computed for oMLX block format {:?}, this decode host writes {:?}", h.omlx_format, self.format.name())));
+        if h.omlx_format != self.geometry.format.name() {
+            return Err(head(format!("computed for oMLX block format {:?}, this decode host writes {:?}", h.omlx_format, self.geometry.format.name())));
         }
-        if h.layers.len() != self.layers.len() {
-            return Err(head(format!("has {} layers, the decoder has {}", h.layers.len(), self.layers.len())));
+        if h.layers.len() != self.geometry.layers.len() {
+            return Err(head(format!("has {} layers, the decoder has {}", h.layers.len(), self.geometry.layers.len())));
         }
         let listed: usize = h.layers.iter().map(|l| l.arrays.len()).sum();
         if listed != seg.arrays.len() {
@@ -172,7 +117,7 @@ impl StoreSpec {
         let end = end as usize;
         let mut after = self.no_pool_rows();
         let mut at = 0usize;
-        for (i, (l, spec)) in h.layers.iter().zip(&self.layers).enumerate() {
+        for (i, (l, spec)) in h.layers.iter().zip(&self.geometry.layers).enumerate() {
             let arrays = &seg.arrays.iter().skip(at).take(l.arrays.len()).collect::<Vec<_>>();
             at += l.arrays.len();
             let bad = |array: Option<&str>, reason: String| CoreError::segment(block, Some(i), array, reason);
@@ -183,14 +128,14 @@ impl StoreSpec {
                 }
             }
             match (spec, &l.kind) {
-                (LayerSpec::Kv { keys, values }, LayerKind::Kv) => {
+                (LayerShape::Kv { keys, values }, LayerKind::Kv) => {
                     let [k, v] = l.arrays.as_slice() else {
                         return Err(bad(None, format!("a KV layer has exactly two arrays, this one {}", l.arrays.len())));
                     };
-                    shape_is(k, self.block_size, *keys).map_err(|r| bad(Some("keys"), r))?;
-                    shape_is(v, self.block_size, *values).map_err(|r| bad(Some("values"), r))?;
+                    shape_is(k, self.geometry.block_size, *keys).map_err(|r| bad(Some("keys"), r))?;
+                    shape_is(v, self.geometry.block_size, *values).map_err(|r| bad(Some("values"), r))?;
                 }
-                (LayerSpec::V4 { sliding_window, ratio, head_dim, pool_heads }, &LayerKind::V4 { offset, sliding_window: sw, ratio: r, ref pool_starts }) => {
+                (LayerShape::Windowed { sliding_window, ratio, head_dim, pool_heads }, &LayerKind::V4 { offset, sliding_window: sw, ratio: r, ref pool_starts }) => {
                     if offset != end as u64 || sw as usize != *sliding_window || r as usize != *ratio {
                         return Err(bad(None, format!(
                             "offset {offset}, window {sw}, ratio {r}; the block ends at {end} and the layer has window {sliding_window}, ratio {ratio}"
@@ -202,7 +147,7 @@ impl StoreSpec {
                             pool_starts.len(), l.arrays.len(), pool_heads.len(), self.arity()
                         )));
                     }
-                    let (lo, hi) = self.window_rows(*ratio, *sliding_window, end);
+                    let (lo, hi) = self.geometry.window_rows_range(*ratio, *sliding_window, end);
                     let w = &l.arrays[0];
                     if w.width as usize != *head_dim || (w.rows as usize) < lo || w.rows as usize > hi {
                         let rows = if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") };
@@ -211,21 +156,21 @@ impl StoreSpec {
                     for (j, &ph) in pool_heads.iter().enumerate() {
                         let name = |k: usize| format!("{}.{}", POOL_NAMES[j.min(1)], POOL_ARRAYS[k]);
                         let p = &l.arrays[1 + j * self.arity()..1 + (j + 1) * self.arity()];
-                        let out = pool_out_dim(*ratio, ph);
-                        let rem = end.checked_rem(*ratio).unwrap_or(0);
+                        let at = self.geometry.pool(*ratio, ph, end);
+                        let (out, rem) = (at.out, at.rem);
                         shape_is(&p[0], rem, out).map_err(|r| bad(Some(&name(0)), r))?;
                         shape_is(&p[1], rem, out).map_err(|r| bad(Some(&name(1)), r))?;
                         let have = pool_rows.get(i).and_then(|p| p.get(j)).copied().unwrap_or(0);
                         if pool_starts[j] != have {
                             return Err(bad(Some(&name(2)), format!("delta starts at pool row {}, {have} rows were received before it", pool_starts[j])));
                         }
-                        let total = end.checked_div(*ratio).unwrap_or(0) as u64;
+                        let total = at.pooled as u64;
                         if total < have {
                             return Err(bad(Some(&name(2)), format!("{have} pool rows were received, the block ends at pool row {total}")));
                         }
                         shape_is(&p[2], (total - have) as usize, ph).map_err(|r| bad(Some(&name(2)), format!("{r} (pool rows [{have}, {total}))")))?;
                         if self.arity() == 5 {
-                            let prev = if *ratio == 4 && end >= *ratio { *ratio } else { 0 };
+                            let prev = at.prev;
                             shape_is(&p[3], prev, out).map_err(|r| bad(Some(&name(3)), r))?;
                             shape_is(&p[4], prev, out).map_err(|r| bad(Some(&name(4)), r))?;
                         }
@@ -233,7 +178,7 @@ impl StoreSpec {
                     }
                 }
                 (spec, kind) => {
-                    let want = if matches!(spec, LayerSpec::Kv { .. }) { "a KV layer" } else { "a DeepSeek-V4 layer" };
+                    let want = if matches!(spec, LayerShape::Kv { .. }) { "a KV layer" } else { "a DeepSeek-V4 layer" };
                     let got = if matches!(kind, LayerKind::Kv) { "kv" } else { "v4" };
                     return Err(bad(None, format!("is a {got} layer; the decoder's layer {i} is {want}")));
                 }
@@ -249,23 +194,15 @@ impl StoreSpec {
         Ok(after)
     }
 
-    fn array_name(&self, spec: &LayerSpec, k: usize) -> String {
+    fn array_name(&self, spec: &LayerShape, k: usize) -> String {
         match spec {
-            LayerSpec::Kv { .. } => ["keys", "values"].get(k).copied().unwrap_or("?").to_string(),
-            LayerSpec::V4 { .. } if k == 0 => "window".into(),
-            LayerSpec::V4 { .. } => {
+            LayerShape::Kv { .. } => ["keys", "values"].get(k).copied().unwrap_or("?").to_string(),
+            LayerShape::Windowed { .. } if k == 0 => "window".into(),
+            LayerShape::Windowed { .. } => {
                 let (j, e) = ((k - 1) / self.arity(), (k - 1) % self.arity());
                 format!("{}.{}", POOL_NAMES[j.min(1)], POOL_ARRAYS[e])
             }
         }
-    }
-}
-
-fn arity(format: OmlxFormat) -> usize {
-    if format.overlap() == Overlap::Carried {
-        5
-    } else {
-        3
     }
 }
 

@@ -23,11 +23,12 @@ use serde_json::Value;
 
 use super::chain::ChainHash;
 use super::file::TensorData;
-use super::layout::{contents, LayerView};
-use super::spec::{LayerSpec, StoreSpec};
+use super::layout::contents;
+use super::spec::StoreSpec;
 use crate::format::{OmlxFormat, PoolLayout};
+use crate::geometry::{pooled_range, LayerShape};
 use crate::plan::ModelPlan;
-use crate::pooler::{ArrayView, V4BlockView};
+use crate::view::{ArrayView, LayerView, V4BlockView};
 
 /// Where bad files on a block's name are moved: inside the cache directory (same filesystem,
 /// a rename), outside the `0`-`f` subdirectories oMLX scans and its sidecar directory.
@@ -288,8 +289,8 @@ pub fn inspect_with(path: &Path, expect: &Expect, plan: Option<&ModelPlan>, cach
 }
 
 /// A V4 layer's window rows (from its first tensor) and the block's end (from its meta state).
-fn window_of(i: usize, spec: &LayerSpec, tensors: &HashMap<String, &safetensors::tensor::TensorInfo>, metas: &[Value]) -> Result<(usize, usize), Rejection> {
-    let LayerSpec::V4 { ratio, .. } = spec else { return Ok((0, 0)) };
+fn window_of(i: usize, spec: &LayerShape, tensors: &HashMap<String, &safetensors::tensor::TensorInfo>, metas: &[Value]) -> Result<(usize, usize), Rejection> {
+    let LayerShape::Windowed { ratio, .. } = spec else { return Ok((0, 0)) };
     let name = if *ratio == 0 { format!("layer_{i}_state_0") } else { format!("layer_{i}_sub_0_state_0") };
     let info = tensors.get(&name).ok_or_else(|| corrupt(format!("layer {i}: tensor {name} is missing (a ratio-{ratio} layer)")))?;
     let rows = match info.shape.as_slice() {
@@ -307,18 +308,18 @@ fn window_of(i: usize, spec: &LayerSpec, tensors: &HashMap<String, &safetensors:
 /// Every tensor's dtype and shape and the layer metadata, against what the block writer writes
 /// for this plan at the block's position (the delta layout's row range included).
 fn check_shapes(spec: &StoreSpec, file: &File, header_len: u64, tensors: &HashMap<String, &safetensors::tensor::TensorInfo>, meta: &HashMap<String, String>, hash: &ChainHash, model_name: &str) -> Result<(), Rejection> {
-    let b = spec.block_size;
+    let b = spec.geometry.block_size;
     let metas: Vec<Value> = meta.get("layer_meta_states").and_then(|m| serde_json::from_str::<Value>(m).ok()).and_then(|v| v.as_array().cloned()).unwrap_or_default();
     // The block's end: every V4 layer's window offset; the plan's geometry from there.
     let mut end = None;
-    let mut windows = Vec::with_capacity(spec.layers.len());
-    for (i, l) in spec.layers.iter().enumerate() {
+    let mut windows = Vec::with_capacity(spec.geometry.layers.len());
+    for (i, l) in spec.geometry.layers.iter().enumerate() {
         let (rows, offset) = window_of(i, l, tensors, &metas)?;
-        if let LayerSpec::V4 { ratio, sliding_window, .. } = l {
+        if let LayerShape::Windowed { ratio, sliding_window, .. } = l {
             if offset == 0 || offset % b != 0 || *end.get_or_insert(offset) != offset {
                 return Err(corrupt(format!("layer {i}: window offset {offset} is not the block's end on the {b}-token grid")));
             }
-            let (lo, hi) = spec.window_rows(*ratio, *sliding_window, offset);
+            let (lo, hi) = spec.geometry.window_rows_range(*ratio, *sliding_window, offset);
             if rows < lo || rows > hi {
                 return Err(corrupt(format!("layer {i}: window holds {rows} rows, a block ending at {offset} holds {}", if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") })));
             }
@@ -337,7 +338,7 @@ fn check_shapes(spec: &StoreSpec, file: &File, header_len: u64, tensors: &HashMa
     let zeros = vec![0u16; need];
     let zeros: &[bf16] = half::slice::HalfBitsSliceExt::reinterpret_cast(zeros.as_slice());
     let views = build_views(spec, end, &shapes, zeros);
-    let want = contents(spec.format, model_name, hash, b, &views, 0.0).map_err(|e| corrupt(format!("cannot lay out the plan's block: {e}")))?;
+    let want = contents(spec.geometry.format, model_name, hash, b, &views, 0.0).map_err(|e| corrupt(format!("cannot lay out the plan's block: {e}")))?;
     let named: HashSet<&str> = want.tensors.iter().map(|t| t.name.as_str()).collect();
     if let Some(extra) = tensors.keys().find(|k| !named.contains(k.as_str())) {
         return Err(corrupt(format!("tensor {extra} is not part of a block of this model")));
@@ -376,23 +377,22 @@ fn check_shapes(spec: &StoreSpec, file: &File, header_len: u64, tensors: &HashMa
 
 /// Per layer, the `(rows, width)` of every array a block view holds, in [`build_views`] order.
 fn expected_views(spec: &StoreSpec, end: usize, windows: &[usize]) -> Vec<Vec<(usize, usize)>> {
-    let b = spec.block_size;
-    spec.layers
+    let g = &spec.geometry;
+    let b = g.block_size;
+    g.layers
         .iter()
         .zip(windows)
         .map(|(l, &rows)| match l {
-            LayerSpec::Kv { keys, values } => vec![(b, *keys), (b, *values)],
-            LayerSpec::V4 { ratio, head_dim, pool_heads, .. } => {
+            LayerShape::Kv { keys, values } => vec![(b, *keys), (b, *values)],
+            LayerShape::Windowed { ratio, head_dim, pool_heads, .. } => {
                 let mut v = vec![(rows, *head_dim)];
                 for &ph in pool_heads {
-                    let out = super::spec::pool_out_dim(*ratio, ph);
-                    let rem = end % ratio;
-                    let pooled = match spec.format.pool_layout() {
-                        PoolLayout::Full => end / ratio,
-                        PoolLayout::Delta => end / ratio - end.saturating_sub(b) / ratio,
+                    let p = g.pool(*ratio, ph, end);
+                    let pooled = match g.format.pool_layout() {
+                        PoolLayout::Full => p.pooled,
+                        PoolLayout::Delta => p.pooled - p.first,
                     };
-                    let prev = if spec.arity() == 5 && *ratio == 4 && end >= *ratio { *ratio } else { 0 };
-                    v.extend([(rem, out), (rem, out), (pooled, ph), (prev, out), (prev, out)]);
+                    v.extend([(p.rem, p.out), (p.rem, p.out), (pooled, ph), (p.prev, p.out), (p.prev, p.out)]);
                 }
                 v
             }
@@ -401,19 +401,20 @@ fn expected_views(spec: &StoreSpec, end: usize, windows: &[usize]) -> Vec<Vec<(u
 }
 
 fn build_views<'a>(spec: &StoreSpec, end: usize, shapes: &[Vec<(usize, usize)>], zeros: &'a [bf16]) -> Vec<LayerView<'a>> {
+    let g = &spec.geometry;
     let view = |&(rows, width): &(usize, usize)| ArrayView { rows, width, data: &zeros[..rows * width] };
-    spec.layers
+    g.layers
         .iter()
         .zip(shapes)
         .map(|(l, s)| match l {
-            LayerSpec::Kv { .. } => LayerView::Kv(view(&s[0]), view(&s[1])),
-            LayerSpec::V4 { ratio, sliding_window, .. } => {
+            LayerShape::Kv { .. } => LayerView::Kv(view(&s[0]), view(&s[1])),
+            LayerShape::Windowed { ratio, sliding_window, .. } => {
                 let (mut pools, mut pool_first, mut prev) = (Vec::new(), Vec::new(), Vec::new());
                 for p in s[1..].chunks_exact(5) {
                     pools.push([view(&p[0]), view(&p[1]), view(&p[2])]);
-                    pool_first.push(match spec.format.pool_layout() {
+                    pool_first.push(match g.format.pool_layout() {
                         PoolLayout::Full => 0,
-                        PoolLayout::Delta => end.saturating_sub(spec.block_size) / ratio,
+                        PoolLayout::Delta => pooled_range(*ratio, g.block_size, end).0,
                     });
                     prev.push((p[3].0 > 0).then(|| [view(&p[3]), view(&p[4])]));
                 }

@@ -14,17 +14,19 @@ use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use super::assembler::Assembler;
 use super::chain::{chain, ChainHash};
 use super::file::{clean_stale_temps, write_pending, Tensor};
-use super::layout::{block_contents, contents, LayerView};
+use super::layout::{block_contents, contents};
 use super::spec::StoreSpec;
 use super::validate::{inspect_with, move_aside, Expect, RejectKind};
-use crate::assembler::Assembler;
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
+use crate::family;
 use crate::plan::ModelPlan;
 use crate::pooler::LayerState;
 use crate::segment::Segment;
+use crate::view::LayerView;
 
 /// A temp file this old has no writer, whatever its name or its lock says (a block is written in
 /// seconds; a lock a forked child inherited could outlive the writer).
@@ -115,8 +117,8 @@ impl BlockWriter {
     /// the carried rows. Refused (nothing changes) once a segment was admitted, or for a carry
     /// state of another format, block size or prefix (its chain hash must be this prompt's block
     /// ending at `S`), or past the prompt's full blocks. Delta-pool formats only (upstream).
-    pub fn resume_at(&self, carry: &crate::carry::CarryState) -> Result<()> {
-        use crate::carry::CarryField;
+    pub fn resume_at(&self, carry: &crate::pooler::carry::CarryState) -> Result<()> {
+        use crate::error::CarryField;
         let refuse = |what: CarryField, reason: String| Err(CoreError::Carry { what, reason });
         let mut st = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         if st.next != 0 {
@@ -137,7 +139,7 @@ impl BlockWriter {
             return refuse(CarryField::Prefix, format!("taken at the end of block {}, this prompt's block ending at {s} is {}", theirs.hex(), ours.hex()));
         }
         if let Some(plan) = &self.plan {
-            carry.check(plan)?;
+            carry.check(&family::geometry(plan, self.format, self.block_size))?;
         }
         let rows = carry.pool_rows();
         st.asm = Assembler::resuming(self.format.pool_layout(), &rows)?;

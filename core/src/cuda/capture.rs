@@ -187,7 +187,7 @@ impl GpuCapture {
     /// changed, where the GPU path cannot (the caller pools on the CPU then): a block from there
     /// on that reads rows from before it (a window longer than a block), or a compressor window
     /// open at the boundary.
-    pub fn resume_at(&mut self, carry: &crate::carry::CarryState) -> Result<bool> {
+    pub fn resume_at(&mut self, carry: &crate::pooler::carry::CarryState) -> Result<bool> {
         let s = carry.position;
         let bs = self.plan.block_size();
         if s % bs != 0 || self.next != 0 || !self.open.is_empty() {
@@ -489,7 +489,7 @@ mod tests {
     }
 
     fn check_format(format: OmlxFormat, plan: &ModelPlan, bs: usize, tokens: usize, chunks: &[usize]) {
-        let sp = SegmentPlan::new(format, plan, bs, "r", "fp");
+        let sp = SegmentPlan::new(crate::family::geometry(plan, format, bs), "r", "fp");
         let carried = format.overlap() == Overlap::Carried;
         let blocks = tokens / bs;
         let limit = blocks * bs;

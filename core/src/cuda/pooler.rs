@@ -10,10 +10,12 @@ use half::bf16;
 use super::dev::{ck, err, Args, DevBuf, Event, GpuDevice, Stream};
 use super::{DeviceTensor, GemmMode};
 use crate::error::{CoreError, Result};
-use crate::carry::{CarryState, LayerCarry};
+use crate::pooler::carry::{CarryState, LayerCarry};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
-use crate::pooler::{DecoderSteps, Overlap, PoolSum, StateArray};
+use crate::format::{Overlap, PoolSum};
+use crate::pooler::DecoderSteps;
+use crate::view::StateArray;
 use crate::weights::{CompressorWeights, DecoderWeights, LayerWeights, Linear};
 
 const BF: usize = 2;
@@ -735,7 +737,7 @@ impl GpuCache {
                 ..
             } => {
                 let hd = *hd;
-                let retain = size - 1 + self.steps.step;
+                let retain = crate::geometry::window_retain(crate::format::WindowRows::Raw, *size, self.steps.step);
                 let nw = match self.window_rows {
                     WindowRows::All => rows,
                     WindowRows::Retained => rows.min(retain),

@@ -1,4 +1,7 @@
-//! The pooler: per-layer decoder cache state, fed one chunk of attention input at a time.
+//! The pooler: per-layer decoder cache state, fed one chunk of attention input at a time. The
+//! math of each layer is its model family's ([`crate::family`]); the pooler holds one
+//! [`LayerState`] per layer, checks that chunks arrive whole and in order, and resumes a request
+//! from its carry state ([`carry`]).
 //!
 //! After any sequence of chunks covering tokens `[0, T)` a layer's state holds exactly what the
 //! decoder's MLX caches hold after prefilling the same `T` tokens: for DeepSeek-V4 the rotating
@@ -9,107 +12,55 @@
 //! prefill into forward calls: its DeepSeek-V4 compressor starts the ratio-4 overlap afresh in
 //! every forward call (the first window of a call sees a zero previous window). That grid is
 //! [`DecoderSteps`], fixed per cache and independent of the input chunking. Upstream oMLX
-//! (0.5.2rc1 on, #2271) carries the previous window across calls ([`Overlap::Carried`]): there
-//! the grid changes nothing.
+//! (0.5.2rc1 on, #2271) carries the previous window across calls
+//! ([`crate::format::Overlap::Carried`]): there the grid changes nothing.
 
-mod mla;
-mod v4;
+pub mod carry;
+pub mod steps;
 
 use std::sync::Arc;
 
 use half::bf16;
 
-use crate::carry::{CarryState, LayerCarry};
 use crate::error::{CoreError, Result};
-pub use crate::format::{Overlap, PoolSum, WindowRows};
-use crate::format::OmlxFormat;
-use crate::weights::{DecoderWeights, LayerWeights};
+use crate::family::{self, LayerMath};
+use crate::segment::BlockPlan;
+use crate::view::{LayerView, StateArray};
+use crate::weights::DecoderWeights;
 
-pub use mla::MlaLayerState;
-pub use v4::{V4BlockView, V4LayerState};
+use carry::CarryState;
+pub use steps::DecoderSteps;
 
-/// Where the decoder starts each prefill forward call: at every multiple of `step` tokens
-/// (oMLX prefills block by block, so this is its cache block size), and whether its ratio-4
-/// overlap restarts at each call or carries across.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecoderSteps {
-    pub step: usize,
-    pub overlap: Overlap,
-    /// What a block keeps of a compressed layer's window (decides how many rows to retain).
-    pub window_rows: WindowRows,
-    /// How the decoder's MLX sums a pooling window's products.
-    pub pool_sum: PoolSum,
-}
+/// A layer's cache state, whichever model family computes it ([`crate::family`]).
+#[derive(Debug)]
+pub struct LayerState(Box<dyn LayerMath>);
 
-impl DecoderSteps {
-    /// The fork's semantics (the overlap restarts at every call, blocks keep the raw window).
-    pub fn new(step: usize) -> Result<Self> {
-        Self::for_format(OmlxFormat::Fork070, step)
+impl Clone for LayerState {
+    fn clone(&self) -> Self {
+        LayerState(self.0.boxed_clone())
     }
-
-    /// The grid and overlap semantics of `format`'s decoder with blocks of `step` tokens.
-    pub fn for_format(format: OmlxFormat, step: usize) -> Result<Self> {
-        if step == 0 {
-            return Err(CoreError::config("decoder_step", "must be positive"));
-        }
-        Ok(DecoderSteps { step, overlap: format.overlap(), window_rows: format.window_rows(), pool_sum: format.pool_sum() })
-    }
-
-    /// Whether a ratio-4 window ending at `base` is the previous window of the one starting there.
-    pub fn carries(&self, base: usize, ratio: usize) -> bool {
-        base > 0 && (self.overlap == Overlap::Carried || self.call_of(base - 1) == self.call_of(base + ratio - 1))
-    }
-
-    /// Index of the decoder forward call that processes token `t`.
-    pub fn call_of(&self, t: usize) -> usize {
-        t / self.step
-    }
-}
-
-/// One named array of a layer's cache state, row-major bf16.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StateArray {
-    pub name: &'static str,
-    pub shape: Vec<usize>,
-    pub data: Vec<bf16>,
-}
-
-/// A borrowed `[rows, width]` bf16 array inside a layer's state.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ArrayView<'a> {
-    pub rows: usize,
-    pub width: usize,
-    pub data: &'a [bf16],
-}
-
-impl<'a> ArrayView<'a> {
-    pub fn new(width: usize, data: &'a [bf16]) -> Self {
-        ArrayView { rows: data.len().checked_div(width).unwrap_or(0), width, data }
-    }
-}
-
-/// A layer's cache state, whichever model family it belongs to.
-#[derive(Clone, Debug)]
-pub enum LayerState {
-    V4(V4LayerState),
-    Mla(MlaLayerState),
 }
 
 impl LayerState {
     /// Tokens folded into the state.
     pub fn processed(&self) -> usize {
-        match self {
-            LayerState::V4(s) => s.processed(),
-            LayerState::Mla(s) => s.processed(),
-        }
+        self.0.processed()
     }
 
     /// The state as named arrays: what the decoder's cache objects hold for this layer.
     pub fn snapshot(&self) -> Vec<StateArray> {
-        match self {
-            LayerState::V4(s) => s.snapshot(),
-            LayerState::Mla(s) => s.snapshot(),
-        }
+        self.0.snapshot()
+    }
+
+    /// The state as the block `[start, end)` stores it (the state has processed `end` tokens).
+    pub fn view(&self, start: usize, end: usize) -> LayerView<'_> {
+        self.0.view(start, end)
+    }
+
+    /// The streaming capture: copy this layer's part of `block`'s segment (layer `layer` of its
+    /// plan) into `body` once the state reached the block's end, and drop what it no longer needs.
+    pub fn take_part(&mut self, block: &BlockPlan, layer: usize, body: &mut [bf16]) -> Result<()> {
+        self.0.take_part(block, layer, body)
     }
 }
 
@@ -124,16 +75,8 @@ pub struct CacheBuilder {
 
 impl CacheBuilder {
     pub fn new(weights: Arc<DecoderWeights>, steps: DecoderSteps) -> Self {
-        let layers = weights
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, lw)| match (lw, &weights.plan) {
-                (LayerWeights::V4(_), crate::plan::ModelPlan::DeepseekV4(p)) => LayerState::V4(V4LayerState::new(p, i, steps)),
-                (LayerWeights::Mla(_), crate::plan::ModelPlan::Mla(p)) => LayerState::Mla(MlaLayerState::new(p)),
-                _ => unreachable!("weights are loaded per plan family"),
-            })
-            .collect();
+        let family = family::of(&weights.plan);
+        let layers = (0..weights.layers.len()).map(|i| LayerState(family.new_layer(&weights.plan, i, steps))).collect();
         CacheBuilder { weights, layers, origin: 0 }
     }
 
@@ -142,20 +85,16 @@ impl CacheBuilder {
     /// size. Refused (naming what) unless the carry state was made from these weights and fits
     /// their plan.
     pub fn resume(weights: Arc<DecoderWeights>, carry: &CarryState) -> Result<Self> {
-        carry.check_for(&weights.fingerprint, carry.format, carry.block_size, &weights.plan)?;
+        carry.check_for(&weights.fingerprint, &family::geometry(&weights.plan, carry.format, carry.block_size))?;
         let steps = DecoderSteps::for_format(carry.format, carry.block_size)?;
         let s = carry.position;
-        let layers = weights
+        let family = family::of(&weights.plan);
+        let layers = carry
             .layers
             .iter()
-            .zip(&carry.layers)
             .enumerate()
-            .map(|(i, (lw, c))| match (lw, &weights.plan, c) {
-                (LayerWeights::V4(_), crate::plan::ModelPlan::DeepseekV4(p), LayerCarry::V4(c)) => LayerState::V4(V4LayerState::resume(p, i, steps, c, s)),
-                (LayerWeights::Mla(_), crate::plan::ModelPlan::Mla(p), LayerCarry::Kv) => LayerState::Mla(MlaLayerState::resume(p, s)),
-                _ => unreachable!("CarryState::check_for matched the layers to the plan"),
-            })
-            .collect();
+            .map(|(i, c)| family.resume_layer(&weights.plan, i, steps, c, s).map(LayerState))
+            .collect::<Result<Vec<_>>>()?;
         Ok(CacheBuilder { weights, layers, origin: s })
     }
 
@@ -209,12 +148,7 @@ impl CacheBuilder {
             return Err(CoreError::input(layer, why));
         }
         let rows = x.len() / hidden;
-        match (state, &self.weights.layers[layer]) {
-            (LayerState::V4(s), LayerWeights::V4(w)) => s.feed(w, start, rows, x),
-            (LayerState::Mla(s), LayerWeights::Mla(w)) => s.feed(w, start, rows, x),
-            _ => unreachable!("states are built per plan family"),
-        }
-        Ok(())
+        state.0.feed(&self.weights.layers[layer], start, rows, x)
     }
 
     pub fn layer(&self, layer: usize) -> Option<&LayerState> {

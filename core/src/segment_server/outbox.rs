@@ -4,9 +4,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::config::ServerConfig;
 use super::memory::SegmentMemory;
-use super::outboxes::Outboxes;
-use super::ServerConfig;
 use crate::segment::Segment;
 use crate::sync::{lock, wait_timeout, Condvar, Mutex, MutexGuard};
 use crate::wire::{self, CaptureKey, Seal};
@@ -26,6 +25,14 @@ pub(crate) struct OutboxState {
     pub(crate) closed: Option<String>,
 }
 
+/// Who makes room when the outboxes together hold more than the memory bound: the server's
+/// outboxes ([`super::Outboxes`]). A trait, so that an outbox needs nothing of the registry it
+/// sits in.
+pub(crate) trait Evict: Send + Sync {
+    /// Drop unpulled captures, oldest first, until under the bound.
+    fn evict(&self);
+}
+
 /// One capture's segments on their way out.
 pub struct Outbox {
     pub(crate) request_id: String,
@@ -35,14 +42,14 @@ pub struct Outbox {
     /// The server-wide count this outbox's queue is part of (None when detached).
     memory: Option<Arc<SegmentMemory>>,
     /// The server's outboxes, to evict the oldest unpulled ones when memory runs over.
-    outboxes: Weak<Outboxes>,
+    outboxes: Option<Weak<dyn Evict>>,
     state: Mutex<OutboxState>,
     ready: Condvar,
 }
 
 impl Outbox {
-    pub(crate) fn new(request_id: &str, key: CaptureKey, memory: Arc<SegmentMemory>, outboxes: Weak<Outboxes>, created: Instant) -> Self {
-        Outbox { request_id: request_id.into(), key: Some(key), created, memory: Some(memory), outboxes, state: Mutex::default(), ready: Condvar::new() }
+    pub(crate) fn new(request_id: &str, key: CaptureKey, memory: Arc<SegmentMemory>, outboxes: Weak<dyn Evict>, created: Instant) -> Self {
+        Outbox { request_id: request_id.into(), key: Some(key), created, memory: Some(memory), outboxes: Some(outboxes), state: Mutex::default(), ready: Condvar::new() }
     }
 
     /// An outbox no decode host can pull (a capture without a secret, for tests and digests):
@@ -53,7 +60,7 @@ impl Outbox {
             key: None,
             created: Instant::now(),
             memory: None,
-            outboxes: Weak::new(),
+            outboxes: None,
             state: Mutex::default(),
             ready: Condvar::new(),
         })
@@ -90,7 +97,7 @@ impl Outbox {
             total
         };
         if total > memory.bound() {
-            if let Some(outboxes) = self.outboxes.upgrade() {
+            if let Some(outboxes) = self.outboxes.as_ref().and_then(Weak::upgrade) {
                 outboxes.evict();
             }
             if memory.over() {

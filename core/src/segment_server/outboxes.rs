@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::config::ServerConfig;
 use super::memory::SegmentMemory;
-use super::outbox::Outbox;
-use super::ServerConfig;
+use super::outbox::{Evict, Outbox};
 use crate::sync::{lock, wait_timeout, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
 use crate::wire::secure::{Hello, Matched};
 use crate::wire::CaptureKey;
@@ -160,5 +160,11 @@ impl Outboxes {
             }
             reg = wait_timeout(&self.registered, reg, deadline - now);
         }
+    }
+}
+
+impl Evict for Outboxes {
+    fn evict(&self) {
+        Outboxes::evict(self)
     }
 }

@@ -19,7 +19,7 @@ use half::bf16;
 use serde::{Deserialize, Serialize};
 
 use super::plan::V41Plan;
-use crate::carry::CarryField;
+use crate::error::CarryField;
 use crate::error::{CoreError, Result};
 
 /// Version of the bytes this build writes and reads.

@@ -81,8 +81,7 @@ fn drain<F: FrameSource>(reader: &mut SegmentReader<F>, max: usize) -> Vec<Event
 /// `n` small valid segments (one MLA-shaped layer of `width`, 4 tokens each): the seed stream
 /// the fuzz targets mutate.
 pub fn segments(n: usize, width: usize) -> Vec<Segment> {
-    use crate::block::layout::LayerView;
-    use crate::pooler::ArrayView;
+    use crate::view::{ArrayView, LayerView};
     (0..n)
         .map(|i| {
             let d: Vec<half::bf16> = (0..4 * width).map(|j| half::bf16::from_f32((i * 31 + j) as f32)).collect();

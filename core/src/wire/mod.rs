@@ -156,8 +156,7 @@ pub fn send_error(w: &mut impl FrameSink, message: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block::layout::LayerView;
-    use crate::pooler::ArrayView;
+    use crate::view::{ArrayView, LayerView};
     use half::bf16;
 
     fn seg(index: u32, start: u64, fp: &str) -> Segment {

@@ -1,12 +1,15 @@
-//! DeepSeek-V4: the rotating window, the compressor pools and the indexer pool of one layer,
-//! following oMLX's MLX model (`omlx/patches/deepseek_v4`) operation by operation.
+//! DeepSeek-V4's math: the rotating window, the compressor pools and the indexer pool of one
+//! layer, following oMLX's MLX model (`omlx/patches/deepseek_v4`) operation by operation.
 
 use half::bf16;
 
-use super::{ArrayView, DecoderSteps, PoolSum, StateArray, WindowRows};
-use crate::carry::{PoolCarry, V4Carry};
+use crate::pooler::carry::{PoolCarry, V4Carry};
+use crate::pooler::steps::DecoderSteps;
+use crate::format::{Overlap, PoolSum};
+use crate::geometry;
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row, Rope};
 use crate::plan::{V4LayerKind, V4Plan};
+use crate::view::{ArrayView, StateArray, V4BlockView};
 use crate::weights::{CompressorWeights, V4LayerWeights};
 
 /// The sliding window: `kv_norm(wkv(x))` rotated at its absolute position, in temporal order.
@@ -19,8 +22,6 @@ use crate::weights::{CompressorWeights, V4LayerWeights};
 struct Window {
     size: usize,
     retain: usize,
-    /// Blocks store a compressed layer's raw rotating buffer (the fork), not its last `size` rows.
-    raw: bool,
     steps: DecoderSteps,
     head_dim: usize,
     eps: f32,
@@ -49,16 +50,6 @@ impl Window {
     fn tail(&self, n: usize) -> &[bf16] {
         let have = self.rows.len() / self.head_dim;
         &self.rows[(have - n.min(have)) * self.head_dim..]
-    }
-
-    /// Rows MLX's rotating buffer holds after `processed` tokens on the decoder's grid: all rows
-    /// of the current decoder call plus up to `size - 1` before it.
-    fn raw_rows(&self, processed: usize) -> usize {
-        if processed == 0 {
-            return 0;
-        }
-        let call_start = self.steps.call_of(processed - 1) * self.steps.step;
-        processed.min(self.size - 1 + (processed - call_start))
     }
 }
 
@@ -235,7 +226,7 @@ impl Compressor {
     /// The previous window `(kv, gate)` (`[ratio, out_dim]` raw rows) an overlap compressor
     /// carries, when it carries one: upstream's `PoolingCache.prev_win_kv/gate`.
     fn prev_view(&self) -> Option<[ArrayView<'_>; 2]> {
-        if !self.overlap || self.steps.overlap != super::Overlap::Carried {
+        if !self.overlap || self.steps.overlap != Overlap::Carried {
             return None;
         }
         self.prev.as_ref().map(|(kv, g, _)| [ArrayView::new(self.out_dim, kv), ArrayView::new(self.out_dim, g)])
@@ -257,7 +248,7 @@ impl Compressor {
         out.push(StateArray { name: name("buf_kv"), shape: vec![rem, self.out_dim], data: self.buf_kv.clone() });
         out.push(StateArray { name: name("buf_gate"), shape: vec![rem, self.out_dim], data: self.buf_gate.clone() });
         // Upstream's PoolingCache also holds the previous ratio-4 window (empty: None).
-        if self.steps.overlap == super::Overlap::Carried {
+        if self.steps.overlap == Overlap::Carried {
             let (kv, gate) = self.prev_view().map_or((Vec::new(), Vec::new()), |[k, g]| (k.data.to_vec(), g.data.to_vec()));
             let rows = kv.len() / self.out_dim;
             out.push(StateArray { name: name("prev_kv"), shape: vec![rows, self.out_dim], data: kv });
@@ -291,11 +282,7 @@ impl V4LayerState {
             processed: 0,
             window: Window {
                 size: plan.sliding_window,
-                retain: match steps.window_rows {
-                    WindowRows::Raw => plan.sliding_window - 1 + steps.step,
-                    WindowRows::Window => plan.sliding_window,
-                },
-                raw: steps.window_rows == WindowRows::Raw,
+                retain: geometry::window_retain(steps.window_rows, plan.sliding_window, steps.step),
                 steps,
                 head_dim: plan.head_dim,
                 eps: plan.rms_norm_eps,
@@ -309,7 +296,7 @@ impl V4LayerState {
     }
 
     /// The state after `position` tokens (a block boundary) from the decoder's carry state there,
-    /// which [`crate::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
+    /// which [`crate::pooler::carry::CarryState::check`] matched to this layer of `plan`. With the fork no
     /// previous window is carried: its overlap restarts at every forward call, and one starts at
     /// each block boundary.
     pub(super) fn resume(plan: &V4Plan, layer: usize, steps: DecoderSteps, carry: &V4Carry, position: usize) -> Self {
@@ -362,8 +349,8 @@ impl V4LayerState {
     /// and its pools.
     pub fn block_view(&self) -> V4BlockView<'_> {
         let hd = self.window.head_dim;
-        let raw = self.is_cache_list() && self.window.raw;
-        let rows = if raw { self.window.raw_rows(self.processed) } else { self.processed.min(self.window.size) };
+        let steps = self.window.steps;
+        let rows = geometry::window_rows(steps.window_rows, self.ratio(), self.window.size, steps.step, self.processed);
         V4BlockView {
             offset: self.processed,
             sliding_window: self.window.size,
@@ -397,24 +384,6 @@ impl V4LayerState {
         }
         out
     }
-}
-
-/// A DeepSeek-V4 layer's state as one oMLX block stores it (borrowed).
-#[derive(Clone, Debug)]
-pub struct V4BlockView<'a> {
-    /// Tokens processed (the block's end).
-    pub offset: usize,
-    pub sliding_window: usize,
-    /// 0 for a window-only layer; then `pools` is empty.
-    pub ratio: usize,
-    pub window: ArrayView<'a>,
-    /// Per pool (compressor, then indexer): `[buf_kv, buf_gate, pooled]`.
-    pub pools: Vec<[ArrayView<'a>; 3]>,
-    /// Per pool: the absolute index of `pooled`'s first row (0: the whole pool).
-    pub pool_first: Vec<usize>,
-    /// Per pool: the previous ratio-4 window `[kv, gate]` where the decoder carries it (upstream);
-    /// `None` for ratio-128 pools, before the first window, and with the fork.
-    pub prev: Vec<Option<[ArrayView<'a>; 2]>>,
 }
 
 #[cfg(test)]

@@ -6,10 +6,10 @@
 
 use half::bf16;
 
-use crate::block::layout::LayerView;
-use crate::error::{CoreError, Result};
+use crate::error::{CarryField, CoreError, Result};
 use crate::format::PoolLayout;
 use crate::segment::{LayerKind, Segment};
+use crate::view::LayerView;
 
 #[derive(Default)]
 pub struct Assembler {
@@ -31,14 +31,14 @@ impl Assembler {
     }
 
     /// An assembler for a stream resumed at a block boundary (multi-turn): `pool_rows[layer][pool]`
-    /// pooled rows exist before it ([`crate::carry::CarryState::pool_rows`]), so the first delta
+    /// pooled rows exist before it ([`crate::pooler::carry::CarryState::pool_rows`]), so the first delta
     /// must start there. A model with pools resumes only with delta-pool blocks (upstream): a
     /// full-pool block (the fork) would need every earlier pooled row, which a carry state does
     /// not hold.
     pub fn resuming(layout: PoolLayout, pool_rows: &[Vec<u64>]) -> Result<Self> {
         if layout == PoolLayout::Full && pool_rows.iter().any(|p| !p.is_empty()) {
             return Err(CoreError::Carry {
-                what: crate::carry::CarryField::Format,
+                what: CarryField::Format,
                 reason: "full-pool blocks (fork-0.7.0) need every pooled row before the resume point; only delta-pool blocks resume".into(),
             });
         }

@@ -1,11 +1,11 @@
-//! DeepSeek-V3-style MLA: per token the normalised latent and the rotated shared key, as
-//! mlx-lm's `DeepseekV3Attention` stores them in its `KVCache` (keys = latent, values = k_pe).
+//! MLA's math (DeepSeek-V3 style): per token the normalised latent and the rotated shared key,
+//! as mlx-lm's `DeepseekV3Attention` stores them in its `KVCache` (keys = latent, values = k_pe).
 
 use half::bf16;
 
-use super::{ArrayView, StateArray};
 use crate::numerics::{linear, rms_norm_rows, round_bf16, Rope};
 use crate::plan::MlaPlan;
+use crate::view::{ArrayView, StateArray};
 use crate::weights::MlaLayerWeights;
 
 #[derive(Clone, Debug)]

@@ -5,12 +5,13 @@
 use half::bf16;
 use serde::{Deserialize, Serialize};
 
-use crate::block::layout::LayerView;
 use crate::error::{CoreError, Result};
-use crate::pooler::{ArrayView, V4BlockView};
+use crate::view::{ArrayView, LayerView, V4BlockView};
 
+mod body;
 mod build;
-pub use build::{ArraySource, BlockPlan, BodyStore, PlannedArray, PlannedLayer, SegmentArrays, SegmentPlan};
+pub use body::{BodyStore, SegmentArrays};
+pub use build::{ArraySource, BlockPlan, PlannedArray, PlannedLayer, SegmentPlan};
 
 /// How a layer's arrays are to be read.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,7 +110,7 @@ impl Segment {
 
     /// Borrow the segment as per-layer views for the block writer. Pools stay as the segment
     /// carries them (`pool_first` says from which row): enough for a delta-pool format; a
-    /// full-pool format needs the accumulated pools of [`crate::assembler::Assembler`].
+    /// full-pool format needs the accumulated pools of [`crate::block::assembler::Assembler`].
     pub fn views(&self) -> Result<Vec<LayerView<'_>>> {
         self.views_with(|_, _| None)
     }

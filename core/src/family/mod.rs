@@ -1,0 +1,80 @@
+//! Model families: the decoder's cache math, one folder per family (`v4/`: DeepSeek-V4, `mla/`:
+//! DeepSeek-V2/V3-style MLA) behind one trait ([`Family`], with [`LayerMath`] per layer), and the
+//! table below with one entry per family. The pooler, the capture, the segment builder and the
+//! block writer and validator reach a family only through these; none of them names one.
+//!
+//! # Adding a family
+//!
+//! One folder and one table entry:
+//!
+//! 1. `family/<name>/mod.rs` with a unit struct implementing [`Family`]:
+//!    - `name`: its plans' [`ModelPlan::family`];
+//!    - `layer_shapes`: its geometry answers, one [`LayerShape`] per layer (a rotating window
+//!      alone or with compressor pools, or a plain KV cache); [`crate::geometry`] derives every
+//!      array of every block and segment from them, for every oMLX format;
+//!    - `segment_bound`: how large one block's segment can get (the wire's frame limit);
+//!    - `new_layer` and `resume_layer`: its math, a [`LayerMath`] per layer, from the first token
+//!      or continued from the layer's carry state ([`crate::pooler::carry::LayerCarry`]);
+//!
+//!    and [`LayerMath`] for its layer state (`processed`, `feed`, `snapshot`, `view`: what a block
+//!    stores, `take_part`: what a segment ships, `boxed_clone`). The math itself goes beside it
+//!    (`math.rs`), as in `v4/` and `mla/`.
+//! 2. Its entry in [`FAMILIES`].
+//!
+//! Outside the folder, because the weights fingerprint hashes them and they are read before any
+//! family code runs: the plan's `ModelPlan` variant with its config parser (`plan.rs`) and its
+//! weight tensors (`weights.rs`). The compiler names each `match` that needs an arm there, and in
+//! the GPU path (`cuda/pooler.rs`, feature `cuda`), which keeps its own kernels per family. A
+//! family whose blocks hold another kind of cache than these two also extends the shared
+//! vocabulary (`view.rs`, `geometry.rs`, the segment's `LayerKind`, `block/layout.rs`, the carry
+//! state): that is a new block format, not only a new family.
+
+mod contract;
+pub mod mla;
+pub mod v4;
+
+pub use contract::{Family, LayerMath};
+
+use crate::format::OmlxFormat;
+use crate::geometry::{Geometry, LayerShape};
+use crate::plan::ModelPlan;
+
+/// Every family: one entry each.
+pub static FAMILIES: &[&dyn Family] = &[&v4::DeepseekV4, &mla::Mla];
+
+/// The family that computes `plan`'s decoder.
+pub fn of(plan: &ModelPlan) -> &'static dyn Family {
+    let name = plan.family();
+    FAMILIES.iter().copied().find(|f| f.name() == name).expect("every plan's family is in FAMILIES (see the test below)")
+}
+
+/// What each layer of `plan`'s decoder caches.
+pub fn layer_shapes(plan: &ModelPlan) -> Vec<LayerShape> {
+    of(plan).layer_shapes(plan)
+}
+
+/// The block geometry of `plan`'s decoder, for `format`'s blocks of `block_size` tokens.
+pub fn geometry(plan: &ModelPlan, format: OmlxFormat, block_size: usize) -> Geometry {
+    Geometry::new(format, block_size, layer_shapes(plan))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_plan_has_its_family() {
+        let configs = [
+            r#"{"model_type":"deepseek_v4","hidden_size":8,"num_hidden_layers":3,"head_dim":8,"qk_rope_head_dim":4,"index_head_dim":4}"#,
+            r#"{"model_type":"deepseek_v3","hidden_size":8,"num_hidden_layers":2,"kv_lora_rank":8,"qk_rope_head_dim":4}"#,
+            r#"{"model_type":"kimi_k2","hidden_size":8,"num_hidden_layers":2,"kv_lora_rank":8,"qk_rope_head_dim":4}"#,
+        ];
+        for c in configs {
+            let plan = ModelPlan::from_config_json(c).unwrap();
+            assert_eq!(of(&plan).name(), plan.family());
+            assert_eq!(layer_shapes(&plan).len(), plan.num_layers());
+        }
+        let names: std::collections::HashSet<_> = FAMILIES.iter().map(|f| f.name()).collect();
+        assert_eq!(names.len(), FAMILIES.len(), "one entry per family");
+    }
+}
