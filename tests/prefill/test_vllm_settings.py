@@ -68,3 +68,40 @@ def test_feed_ptr_equals_feed_bytes(tmp_path):
     assert json.loads(a.seal()) == json.loads(b.seal()) == {"verdict": "complete", "blocks": 2, "tokens": 512}
     with pytest.raises(Exception, match="aligned bf16"):
         Capture(w, "c", 600, 256, server).feed_ptr(0, 0, x.data_ptr() + 1, 10)
+
+
+def test_piecewise_graphs_split_at_the_compiled_tap_and_whole_step_graphs_are_refused():
+    """Under torch.compile the tap is the custom op ``pd_bridge::attention_input``; a CUDA graph
+    would freeze it. vLLM's own config, as vLLM fills it in, gets the op among its splitting ops
+    (default list and a user's explicit one alike); whole-step graphs for prompt steps
+    (``cudagraph_mode=FULL``) and a piecewise config without the op are refused at start."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from pd_bridge_vllm import tap
+    from pd_bridge_vllm.connector import UnsupportedEngineSettings, check_compilation
+
+    tap.split_at_tap()
+    assert not tap.split_at_tap()  # idempotent
+    args = {"all2all_backend": "naive"} if "all2all_backend" in inspect.signature(CompilationConfig.set_splitting_ops_for_v1).parameters else {}
+    for explicit in (None, ["vllm::unified_attention_with_output"]):
+        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=explicit)
+        cc.set_splitting_ops_for_v1(**args)
+        assert tap.OP_NAME in cc.splitting_ops, cc.splitting_ops
+        assert cc.splitting_ops.count(tap.OP_NAME) == 1
+        cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)
+    cc = CompilationConfig(mode=CompilationMode.NONE)
+    cc.set_splitting_ops_for_v1(**args)
+    assert tap.OP_NAME not in (cc.splitting_ops or [])  # nothing compiled: nothing to split
+    for mode in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        cc.cudagraph_mode = mode
+        check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)
+    cc.cudagraph_mode = CUDAGraphMode.FULL
+    with pytest.raises(UnsupportedEngineSettings, match="cudagraph_mode=FULL replays prompt steps as whole CUDA graphs"):
+        check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)
+    cc = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE, splitting_ops=["vllm::unified_attention_with_output"])
+    with pytest.raises(UnsupportedEngineSettings, match=r"pd_bridge::attention_input is not in compilation_config.splitting_ops"):
+        check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)

@@ -137,6 +137,38 @@ def assert_fed_once(fed: dict[int, list[tuple[int, bytes]]], n: int, rid: str = 
         assert at == n, (rid, layer, at, n)
 
 
+def bf16_rows(b: bytes, cols: int):
+    """bf16 bytes as a float32 (rows, cols) array."""
+    import numpy as np
+
+    u = np.frombuffer(b, dtype=np.uint16).astype(np.uint32) << 16
+    return u.view(np.float32).reshape(-1, cols)
+
+
+def assert_fed_rows_are_attention_inputs(dump: Path, rid: str, mlx_dir) -> None:
+    """Independent check of what the tap fed: vLLM's own paged latent for each captured token
+    (read from its KV cache by slot, dumped as ``kv``) must equal RMSNorm(x @ W_kv_a)[:512]
+    computed from the rows the tap fed, and must NOT match a neighbour row (so a shifted slice
+    fails). Needs vLLM's MLA path (with MLA off its cache holds per-head K/V, no latent)."""
+    import numpy as np
+    from safetensors.torch import load_file as load_pt
+
+    w = load_pt(str(Path(mlx_dir) / "model.safetensors"))
+    fed, kvs = fed_chunks(dump, rid), fed_chunks(dump, rid, "kv")
+    for layer in range(LAYERS):
+        x = bf16_rows(whole(fed[layer]), HIDDEN)
+        kv = bf16_rows(whole(kvs[layer]), 576)
+        assert kv.shape[0] == x.shape[0], (rid, layer, kv.shape, x.shape)
+        wa = w[f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"].float().numpy()
+        g = w[f"model.layers.{layer}.self_attn.kv_a_layernorm.weight"].float().numpy()
+        c = (x @ wa.T)[:, :512]
+        c = c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-6) * g
+        err = np.abs(c - kv[:, :512]).max(-1) / (np.abs(kv[:, :512]).max(-1) + 1e-6)
+        assert err.max() < 0.03, (rid, layer, float(err.max()))
+        shifted = np.abs(c[1:] - kv[:-1, :512]).max(-1) / (np.abs(kv[:-1, :512]).max(-1) + 1e-6)
+        assert np.median(shifted) > 0.3, (rid, layer, float(np.median(shifted)))
+
+
 def whole(chunks: list[tuple[int, bytes]]) -> bytes:
     """A layer's dumped chunks joined (``assert_fed_once`` checked they tile the prompt)."""
     return b"".join(data for _, data in chunks)

@@ -25,8 +25,14 @@ classes; no V4 platform subclass overrides ``forward`` there):
 
 The wrapper asks the active worker-side connector (if any) to slice its requests' rows out and
 feed them, then runs vLLM's own forward unchanged. No vLLM file is edited; nothing here touches
-CUDA at import. The wrapper is plain Python, so it needs eager execution of the model
-(``enforce_eager=True``, or a compilation mode that leaves the attention module uncompiled).
+CUDA at import.
+
+Under vLLM's default torch.compile modes the wrapper is traced, not run: there it emits one call
+of the custom op ``pd_bridge::attention_input`` (hidden states, positions, the layer's attention
+name), registered with a side effect so the compiler keeps it, which feeds the sink when the
+compiled model runs. With piecewise CUDA graphs the connector adds that op to vLLM's splitting
+ops (``connector/metadata.py``), as vLLM's own attention ops are, so it runs eagerly between the
+graphs on every step instead of being frozen into one.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from .versions import UnsupportedVLLM  # noqa: F401  (raised by check_version)
 
 SUPPORTED_VLLM = tuple(v for e in versions.TESTED for v in e.versions)  # the tested ones: no warning
 _MARK = "__pd_bridge_tap__"
-_BUSY = "_pd_bridge_in_forward"
+OP_NAME = "pd_bridge::attention_input"  # the compiled path's hook (a vLLM splitting op under CUDA graphs)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 _DECOMPRESSED_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
 _V4_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.attn$")
@@ -139,30 +145,101 @@ def _v4_layer_of(module) -> tuple[int, str]:
     return found
 
 
-def _wrap_forward(cls) -> bool:
+# How a compiled graph names a tapped layer: attribute reads only, so TorchDynamo folds them into
+# constants while tracing (no regex, no state). The value is the layer's key in vLLM's forward
+# context, which is also what ``layer_of`` returns beside the index.
+_LAYER_KEY = {
+    "mla": lambda m: m.mla_attn.mla_attn.layer_name,
+    "decompressed": lambda m: m.attn.layer_name,
+    "v4": lambda m: m.swa_cache_layer.prefix,
+}
+_KEY_INDEX_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_key_index: dict[str, int] = {}
+
+
+def layer_of_key(key: str) -> int:
+    """Decoder layer index in a forward-context key (``model.layers.N.…``)."""
+    n = _key_index.get(key)
+    if n is None:
+        m = _KEY_INDEX_RE.search(key)
+        if m is None:
+            raise RuntimeError(f"cannot read a layer index from the attention layer name {key!r}")
+        n = _key_index[key] = int(m.group(1))
+    return n
+
+
+def _feed_compiled(hidden_states, positions, layer_key: str, kind: str) -> None:
+    """The op's body, run by the compiled model: hand the rows to the sink as the eager tap does."""
+    global _compiled_fed
+    sink = _sink
+    if sink is None:
+        return
+    if not _compiled_fed:
+        _compiled_fed = True
+        logger.info("pd-bridge: the compiled model's tap is feeding captures (%s)", OP_NAME)
+    try:
+        sink.on_attention_layer(layer_of_key(layer_key), layer_key, positions, hidden_states, kind == "mla")
+    except Exception:  # never break vLLM's forward; the capture records its own failure
+        logger.exception("pd-bridge tap failed; the forward continues without it")
+
+
+_op = None
+_compiled_fed = False
+
+
+def _register_op():
+    """Register ``pd_bridge::attention_input`` once per process (imports torch; only when the tap
+    is installed). No outputs and no mutation, so it is marked side-effecting for FX's dead-code
+    elimination; the fake kernel lets the compiler trace it without running it."""
+    global _op
+    if _op is not None:
+        return _op
+    import torch
+
+    # The schema is spelled out: this module's annotations are strings (``from __future__``).
+    @torch.library.custom_op(OP_NAME, mutates_args=(), schema="(Tensor hidden_states, Tensor positions, str layer_key, str kind) -> ()")
+    def attention_input(hidden_states, positions, layer_key, kind):
+        _feed_compiled(hidden_states, positions, layer_key, kind)
+
+    @attention_input.register_fake
+    def _(hidden_states, positions, layer_key, kind):
+        return None
+
+    torch.fx.node.has_side_effect(torch.ops.pd_bridge.attention_input.default)
+    _op = torch.ops.pd_bridge.attention_input
+    return _op
+
+
+def _wrap_forward(cls, kind: str) -> bool:
     """Wrap ``cls.forward`` (defined in ``cls`` itself) so the sink sees (module, positions,
-    hidden_states) before vLLM's own forward runs. False when already wrapped."""
+    hidden_states) before vLLM's own forward runs. False when already wrapped.
+
+    Only the most derived tapped ``forward`` of the instance's class feeds: a tapped override that
+    calls a tapped ``super().forward()`` feeds once. That rule reads no mutable state, so the
+    compiler can trace it."""
     orig = cls.__dict__["forward"]
     if getattr(orig, _MARK, False):
         return False
+    import torch
+
+    op = _register_op()
+    key_of = _LAYER_KEY[kind]
+    compiling = torch.compiler.is_compiling
 
     @functools.wraps(orig)
     def forward(self, positions, hidden_states, *args, **kwargs):
-        sink = _sink
-        if sink is None:
-            return orig(self, positions, hidden_states, *args, **kwargs)
-        d = self.__dict__
-        if d.get(_BUSY):  # a tapped override calling a tapped super().forward(): fed once already
-            return orig(self, positions, hidden_states, *args, **kwargs)
-        try:
-            sink.on_attention_input(self, positions, hidden_states)
-        except Exception:  # never break vLLM's forward; the capture records its own failure
-            logger.exception("pd-bridge tap failed; the forward continues without it")
-        d[_BUSY] = True
-        try:
-            return orig(self, positions, hidden_states, *args, **kwargs)
-        finally:
-            d[_BUSY] = False
+        top = type(self).forward
+        if top is forward or not getattr(top, _MARK, False):
+            if compiling():
+                op(hidden_states, positions, key_of(self), kind)
+            else:
+                sink = _sink
+                if sink is not None:
+                    try:
+                        sink.on_attention_input(self, positions, hidden_states)
+                    except Exception:  # never break vLLM's forward; the capture records its own failure
+                        logger.exception("pd-bridge tap failed; the forward continues without it")
+        return orig(self, positions, hidden_states, *args, **kwargs)
 
     setattr(forward, _MARK, True)
     forward.__pd_bridge_orig__ = orig
@@ -176,13 +253,40 @@ def _unwrap_forward(cls) -> None:
         cls.forward = orig
 
 
+def split_at_tap() -> bool:
+    """Have vLLM's piecewise compilation split its graphs at the compiled tap, as at its own
+    attention ops: wraps ``CompilationConfig.set_splitting_ops_for_v1`` (where vLLM fills in
+    ``splitting_ops`` while building its config) to append ``OP_NAME`` whenever the list it ends
+    with is non-empty (an empty one means no piecewise graphs). vLLM loads this plugin before it
+    builds its config, in every process. True if this call wrapped it."""
+    from vllm.config import CompilationConfig
+
+    orig = CompilationConfig.__dict__.get("set_splitting_ops_for_v1")
+    if orig is None or getattr(orig, _MARK, False):
+        return False
+
+    @functools.wraps(orig)
+    def set_splitting_ops_for_v1(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        ops = self.splitting_ops
+        if ops and OP_NAME not in ops:
+            ops.append(OP_NAME)
+        return out
+
+    setattr(set_splitting_ops_for_v1, _MARK, True)
+    set_splitting_ops_for_v1.__pd_bridge_orig__ = orig
+    CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
+    return True
+
+
 def install() -> bool:
     """Wrap the MLA attention forward (and DeepSeek-V4's, see :func:`install_v4`) once per
     process. Returns True if this call installed the MLA tap."""
     check_version()
+    split_at_tap()
     done = False
     for i, cls in enumerate(_mla_targets()):
-        if _wrap_forward(cls):
+        if _wrap_forward(cls, "mla" if i == 0 else "decompressed"):
             done = done or i == 0
             logger.info("pd-bridge: model tap installed on %s.%s.forward (vLLM %s)", cls.__module__, cls.__qualname__, vllm_version())
     try:
@@ -215,7 +319,7 @@ def install_v4() -> list[str]:
     """Wrap DeepSeek-V4's attention forwards; returns the qualified names wrapped by this call."""
     wrapped = []
     for cls in v4_targets():
-        if _wrap_forward(cls):
+        if _wrap_forward(cls, "v4"):
             wrapped.append(f"{cls.__module__}.{cls.__qualname__}.forward")
     if wrapped:
         logger.info("pd-bridge: DeepSeek-V4 model tap installed on %s (vLLM %s)", ", ".join(wrapped), vllm_version())

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
 
 from .. import versions
+from ..tap import OP_NAME
 from .metadata import (  # noqa: F401  (the public names of the former single module)
     DUMP_ENV,
     PARAM_KEY,
@@ -45,6 +46,7 @@ from .metadata import (  # noqa: F401  (the public names of the former single mo
     PdBridgeConnectorMetadata,
     UnsupportedEngineSettings,
     check_engine_settings,
+    check_compilation,
 )
 from .scheduler import PdBridgeConnectorScheduler
 from .stats import PdBridgeKVConnectorStats, PdBridgePromMetrics
@@ -68,6 +70,7 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         check_engine_settings(vllm_config)
         versions.check()
+        check_compilation(vllm_config, OP_NAME)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.connector_scheduler: PdBridgeConnectorScheduler | None = None

@@ -45,6 +45,36 @@ def check_engine_settings(vllm_config) -> None:
             raise ValueError(f"PdBridgeConnector: {name}={n} is not supported (tensor parallelism is: TP rank 0 captures); run the prefill host with {name}=1")
 
 
+def check_compilation(vllm_config, op_name: str) -> None:
+    """Refuse, at start, compilation settings under which the compiled tap would not run.
+
+    The tap's hook under torch.compile is the custom op ``op_name`` (``tap.py``). A CUDA graph
+    replays the kernels it recorded and none of the Python around them, so a tap frozen into a
+    graph would feed nothing on replay. With piecewise graphs the op must be one of vLLM's
+    splitting ops (the tap adds it when vLLM fills them in: ``tap.split_at_tap``; a list the user
+    set explicitly is extended there too), so it runs eagerly between the pieces, as vLLM's
+    attention ops do. Steps vLLM replays as whole-step graphs are uniform decode steps, which
+    carry no prompt rows, except under ``cudagraph_mode=FULL``, where prompt steps are whole
+    graphs too: refused. A step whose rows the tap did not see fails its capture naming the
+    missing layers (never a block with a hole); the decode host then prefills natively.
+    """
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    mixed = getattr(mode, "mixed_mode", None)
+    mixed = getattr(mixed() if callable(mixed) else mode, "name", None)
+    if mixed == "FULL":
+        raise UnsupportedEngineSettings(
+            f"PdBridgeConnector: cudagraph_mode={mode.name} replays prompt steps as whole CUDA graphs, where the "
+            "model tap cannot run; use vLLM's default (FULL_AND_PIECEWISE), PIECEWISE, FULL_DECODE_ONLY or --enforce-eager"
+        )
+    if mixed == "PIECEWISE" and op_name not in (getattr(cc, "splitting_ops", None) or []):
+        raise UnsupportedEngineSettings(
+            f"PdBridgeConnector: piecewise CUDA graphs would freeze the model tap into a graph: {op_name} is not in "
+            f"compilation_config.splitting_ops ({getattr(cc, 'splitting_ops', None)}); add it there (vLLM must load the "
+            "pd-bridge plugin before it builds its config: set PD_BRIDGE_VLLM=1 in its environment)"
+        )
+
+
 def setting(extra: dict, key: str, env: str, default=None):
     """``kv_connector_extra_config[key]``, else the environment variable, else ``default``."""
     v = extra.get(key)

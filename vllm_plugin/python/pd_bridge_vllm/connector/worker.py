@@ -185,13 +185,22 @@ class PdBridgeConnectorWorker:
     # ------------------------------------------------------------------ the tap's sink
 
     def on_attention_input(self, module, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        """Called by the tap once per attention layer per forward, with the flattened batch."""
+        """Called by the eager tap once per attention layer per forward, with the flattened batch."""
         meta = self._meta
         if not self._active or meta is None or not meta.chunks:
             return
         layer, layer_name = tap.layer_of(module)
+        self.on_attention_layer(layer, layer_name, positions, hidden_states, hasattr(module, "mla_attn"))
+
+    def on_attention_layer(self, layer: int, layer_name: str, positions: torch.Tensor, hidden_states: torch.Tensor, mla: bool) -> None:
+        """One attention layer's input (the compiled tap calls this directly): ``layer`` is the
+        decoder layer index, ``layer_name`` its key in vLLM's forward context, ``mla`` whether it
+        runs vLLM's MLA path (the test dumps read its latent cache)."""
+        meta = self._meta
+        if not self._active or meta is None or not meta.chunks:
+            return
         if self._dump_dir:
-            self._dump_mla = hasattr(module, "mla_attn")
+            self._dump_mla = mla
         if layer >= self._weights.num_layers:
             return  # an MTP / draft layer: not part of the decoder's cache
         for ch in meta.chunks:
