@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
 """Benchmark on the H200: vLLM's prefill with the capture on and off, DeepSeek-V4-Flash's attention.
 
-    python3 tests/gpu/bench_vllm_flash.py OUT [--lengths 8192,32768,131072] [--reps 2] [--chunk 8192]
+    python3 tests/gpu/bench_vllm_flash.py OUT [--lengths 8192,32768,131072] [--reps 5] [--chunk 8192] [--compiled]
 
 A random DeepSeek-V4 with Flash's attention shapes (``tiny_v4_fp8.FLASH_ATTENTION``: 43 layers,
 hidden 4096, 64 heads of 512, index head 128, Flash's compress ratios; FP8 block weights) and a
 MoE small enough to fit, made on the GPU. ONE vLLM 0.26.0 engine (its own process, the pd-bridge
 plugin and connector loaded, prefix caching off, ``max_num_batched_tokens`` = ``--chunk``) serves
 every run, so "on" and "off" differ only in whether the request carries ``pd_capture``: at each
-length, ``--reps`` times, off then on, one prompt at a time, 1 token generated. An "on" run is
-pulled by the decode host's own client (``pd_bridge_omlx.ingest``) into block files on local disk,
-as a Mac would. Printed per run and summarised in ``OUT/bench.json``:
+length, ``--reps`` pairs, interleaved (off then on, then on then off, ...), one prompt at a time,
+1 token generated. The engine is eager (``enforce_eager``) unless ``--compiled`` (vLLM's default:
+torch.compile with piecewise CUDA graphs, the tap as a splitting op). An "on" run is pulled by
+the decode host's own client (``pd_bridge_omlx.ingest``) into block files on local disk, as a Mac
+would. Printed per run and summarised in ``OUT/bench.json``:
 
-- prefill tokens/s (prompt tokens / wall time of the request) and on/off at each length;
+- prefill tokens/s (prompt tokens / wall time of the request); per length the medians of off and
+  on, their ratio, the worst "on" run against the median "off", and the extra wall time of each
+  "on" run over the "off" run of its pair (median and worst): a stall cannot hide in a best-of;
+- per captured request, from the connector's seal log line: host time the capture took on vLLM's
+  forward thread, the GPU engine's newly allocated buffers and its host time by phase, bytes;
 - seal latency: how long after the step that ran the prompt's last chunk the capture sealed (the
   connector's log line per capture);
 - host RSS of the engine process and GPU memory in use after each run (flat in prompt length
@@ -83,7 +89,7 @@ def engine(a) -> None:
     top = max(a.lengths)
     t0 = time.monotonic()
     llm = LLM(
-        model=spec["hf"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+        model=spec["hf"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=not a.compiled, enable_prefix_caching=False,
         kv_cache_dtype="fp8", max_model_len=top + 1024, max_num_batched_tokens=a.chunk, max_num_seqs=2,
         gpu_memory_utilization=0.85, seed=0, disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(
@@ -145,15 +151,22 @@ def engine(a) -> None:
     one(min(a.lengths), True, "warm")
     for n in a.lengths:
         for rep in range(a.reps):
-            runs.append(one(n, False, f"off{rep}"))
-            runs.append(one(n, True, f"on{rep}"))
+            for capture in ((False, True) if rep % 2 == 0 else (True, False)):
+                runs.append(dict(one(n, capture, f"{'on' if capture else 'off'}{rep}"), pair=rep))
+    import statistics
+
     summary = {}
     for n in a.lengths:
-        off = [r["tok_per_s"] for r in runs if r["tokens"] == n and not r["capture"]]
-        on = [r["tok_per_s"] for r in runs if r["tokens"] == n and r["capture"]]
-        summary[n] = {"off_tok_s": max(off), "on_tok_s": max(on), "on_off": round(max(on) / max(off), 3),
-                      "on_off_median": round(sorted(on)[len(on) // 2] / sorted(off)[len(off) // 2], 3)}
-    (out / "bench.json").write_text(json.dumps({"engine_start_s": round(start_s, 1), "chunk": a.chunk, "omlx_format": a.omlx_format,
+        off = {r["pair"]: r for r in runs if r["tokens"] == n and not r["capture"]}
+        on = {r["pair"]: r for r in runs if r["tokens"] == n and r["capture"]}
+        off_med = statistics.median(r["tok_per_s"] for r in off.values())
+        on_med = statistics.median(r["tok_per_s"] for r in on.values())
+        extra = [round((on[k]["wall_s"] - off[k]["wall_s"]) * 1e3) for k in sorted(on) if k in off]
+        summary[n] = {"off_tok_s_median": off_med, "on_tok_s_median": on_med, "on_off_median": round(on_med / off_med, 3),
+                      "on_off_worst": round(min(r["tok_per_s"] for r in on.values()) / off_med, 3),
+                      "extra_ms_median": statistics.median(extra), "extra_ms_worst": max(extra), "extra_ms": extra,
+                      "runs": len(on)}
+    (out / "bench.json").write_text(json.dumps({"engine_start_s": round(start_s, 1), "compiled": a.compiled, "chunk": a.chunk, "omlx_format": a.omlx_format,
                                                 "block_size": block, "runs": runs, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
 
@@ -162,7 +175,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--lengths", default="8192,32768,131072")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default compilation (torch.compile + CUDA graphs) instead of eager")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--omlx-format", default="upstream-0.6.3")
     ap.add_argument("--block-size", type=int, default=2048)
@@ -188,7 +202,7 @@ def main() -> int:
     (work / "spec.json").write_text(json.dumps({"hf": str(hf), "mlx": str(mlx), "port": free_port()}))
     env = dict(os.environ, PD_BRIDGE_VLLM="1", VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_DEEP_GEMM_WARMUP="skip", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, __file__, a.out, "--engine", str(work), "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps),
-           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format, "--block-size", str(a.block_size)]
+           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format, "--block-size", str(a.block_size)] + (["--compiled"] if a.compiled else [])
     with open(Path(a.out) / "bench-engine.log", "w") as log:
         p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=int(os.environ.get("PD_BRIDGE_GPU_ENGINE_TIMEOUT", "540")))
     text = (Path(a.out) / "bench-engine.log").read_text(errors="replace")
@@ -197,14 +211,25 @@ def main() -> int:
     import re
 
     seal_ms = {m.group(1): float(m.group(2)) for m in re.finditer(r"capture (\S+) \(request [^)]*\) sealed: .*?\(([0-9.]+) ms after the step's forward", text)}
+    # What each capture cost, from the same line: "[bytes=N forward_thread_ms=X new_buffers=K gpu_host_ms=Y]".
+    cost = {m.group(1): dict((k, float(v)) for k, v in re.findall(r"(\w+)=([0-9.]+)", m.group(2)))
+            for m in re.finditer(r"capture (\S+) \(request [^)]*\) sealed: .*?\[([^\]]*)\]", text)}
     bench = Path(a.out) / "bench.json"
     if bench.exists():
         res = json.loads(bench.read_text())
         for r in res["runs"]:
             if r.get("rid"):
                 r["seal_latency_ms"] = seal_ms.get(r["rid"])
+                r["cost"] = cost.get(r["rid"])
+        for n, sm in res["summary"].items():
+            costs = [r["cost"] for r in res["runs"] if r.get("cost") and str(r["tokens"]) == str(n) and r["capture"] and not r["rid"].startswith("bench-warm")]
+            for k in ("forward_thread_ms", "new_buffers", "gpu_host_ms", "bytes"):
+                vals = sorted(c[k] for c in costs if k in c)
+                if vals:
+                    sm[f"{k}_median"], sm[f"{k}_worst"] = vals[len(vals) // 2], vals[-1]
         res["seal_latency_ms"] = seal_ms
         bench.write_text(json.dumps(res, indent=1))
+        print("summary with per-capture costs:", json.dumps(res["summary"], indent=1))
         print("seal latency (ms) per capture:", json.dumps(seal_ms))
     print("\n".join(line for line in text.splitlines() if line.startswith("{") or line.startswith(" ") or line.startswith("}")))
     if p.returncode != 0:

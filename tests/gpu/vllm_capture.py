@@ -53,6 +53,7 @@ sys.path.insert(0, str(HERE.parent / "prefill"))
 TOKEN = b"gpu-test-token"
 # The decode host's per-request capture secret (pd_capture.secret), keying the encrypted stream.
 SECRET = "5e" * 32
+COMPILED_ENV = "PD_BRIDGE_TEST_COMPILED"  # set by --compiled: engines run without enforce_eager
 # capture id suffix -> (prompt tokens, seed); a spans two of upstream's 2,048-token V4 blocks
 PROMPTS = {"a": (4400, 11), "b": (2600, 12)}
 # Request a: upstream oMLX 0.6.3's blocks (served by decode_check.py); b: the fork's.
@@ -153,7 +154,7 @@ def engine(family: str, work: Path, chunk: int) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = dict(
-        model=spec["hf"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+        model=spec["hf"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=os.environ.get(COMPILED_ENV) != "1", enable_prefix_caching=False,
         max_model_len=8192, max_num_batched_tokens=chunk, max_num_seqs=4, kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.5, seed=0,
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(
@@ -331,7 +332,10 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--prompts", help="decode_check.py prompts' file: {a: {ids}, b: {ids}} (default: random ids)")
     ap.add_argument("--engine", nargs=2, metavar=("FAMILY", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default compilation (torch.compile + CUDA graphs) instead of eager")
     a = ap.parse_args()
+    if a.compiled:
+        os.environ[COMPILED_ENV] = "1"  # the engine processes inherit it
     if a.engine:
         engine(a.engine[0], Path(a.engine[1]), a.chunk)
         return 0

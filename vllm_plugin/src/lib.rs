@@ -405,10 +405,33 @@ fn compile_kernels(py: Python<'_>, arch: String) -> PyResult<usize> {
     })
 }
 
+/// Host time the GPU capture engine spent by phase, and the page-locked or staging buffers it
+/// newly allocated, over every GPU capture in this process since the last reset (`reset` zeroes
+/// them after reading): what the connector logs per sealed capture and benchmarks read.
+#[pyfunction]
+#[pyo3(signature = (reset=false))]
+fn gpu_capture_times(py: Python<'_>, reset: bool) -> PyResult<Py<pyo3::types::PyDict>> {
+    guard(|| {
+        let d = pyo3::types::PyDict::new(py);
+        #[cfg(feature = "cuda")]
+        {
+            let t = pd_bridge_core::cuda::capture_times(reset);
+            d.set_item("kernels_s", t.kernels_s)?;
+            d.set_item("gathers_s", t.gathers_s)?;
+            d.set_item("copies_s", t.copies_s)?;
+            d.set_item("waits_s", t.waits_s)?;
+            d.set_item("new_buffers", t.new_buffers)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = reset;
+        Ok(d.unbind())
+    })
+}
+
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{compile_kernels, cuda_report, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
+    use super::{compile_kernels, cuda_report, gpu_capture_times, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

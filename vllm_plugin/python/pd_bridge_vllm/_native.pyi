@@ -171,6 +171,11 @@ def cuda_report() -> dict[str, Any]:
     """This host's CUDA stack: driver and NVRTC versions, NVRTC's archs, devices, problems."""
     ...
 
+def gpu_capture_times(reset: bool = False) -> dict[str, float]:
+    """Host seconds the GPU capture engine spent by phase (``kernels_s``, ``gathers_s``,
+    ``copies_s``, ``waits_s``) and ``new_buffers`` (page-locked or staging buffers allocated), over
+    every GPU capture in this process since the last reset; empty when built without CUDA."""
+
 def compile_kernels(arch: str) -> int:
     """Compile the capture kernels for ``arch`` (``compute_90``...) with NVRTC; the PTX's length."""
     ...

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import tap
-from .._native import Capture, PdBridgeError, SegmentServer, Weights
+from .._native import Capture, PdBridgeError, SegmentServer, Weights, gpu_capture_times
 from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, kv_groups, setting
 from .stats import PdBridgeKVConnectorStats
 
@@ -35,12 +35,24 @@ class _WorkerCapture:
     failure: str | None = None
     fed: dict[int, int] = field(default_factory=dict)  # layer -> next absolute position expected
     sealed: str | None = None
+    forward_s: float = 0.0  # host time feeding it took on vLLM's forward thread
 
 
 # `_WorkerCapture.sealed` while the sealer thread seals it.
 _SEALING = "sealing"
 
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def _graph_rows(vllm_config) -> int:
+    """The largest batch (in tokens) vLLM may run as a replayed CUDA graph; 0 when it runs none
+    (eager, or no graphs). Within that size the tap's rows may live in graph-pool memory."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(getattr(cc, "cudagraph_mode", None), "name", "NONE")
+    if mode == "NONE" or getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        return 0
+    sizes = getattr(cc, "cudagraph_capture_sizes", None) or []
+    return int(max(sizes, default=0) or getattr(cc, "max_cudagraph_capture_size", 0) or 0)
 
 
 def _default_address() -> str:
@@ -113,6 +125,7 @@ class PdBridgeConnectorWorker:
             memory_bytes=int(float(setting(extra, "capture_memory_mb", "PD_BRIDGE_VLLM_CAPTURE_MEMORY_MB", 1024)) * (1 << 20)),
         )
         self._tap_ok = tap.installed() or tap.v4_installed()
+        self._graph_rows = _graph_rows(vllm_config)
         tap.set_sink(self)
         logger.info(
             "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v2); model tap %s",
@@ -207,6 +220,7 @@ class PdBridgeConnectorWorker:
             wc = self._captures.get(ch.req_id)
             if wc is None or wc.sealed is not None or wc.failure is not None:
                 continue
+            t_feed = time.perf_counter()
             try:
                 row = self._rows(ch, layer_name, positions)
                 if isinstance(row, str):
@@ -217,6 +231,12 @@ class PdBridgeConnectorWorker:
                 if skip < ch.num_tokens:
                     # A plain descriptor for the core: pointer and length of contiguous bf16 rows.
                     x = hidden_states[row + skip : row + ch.num_tokens].to(torch.bfloat16).contiguous()
+                    if x.device.type == "cuda" and hidden_states.shape[0] <= self._graph_rows and x.data_ptr() >= hidden_states.data_ptr() \
+                            and x.data_ptr() < hidden_states.data_ptr() + hidden_states.numel() * hidden_states.element_size():
+                        # A step vLLM may replay as piecewise CUDA graphs: the rows are a view of a
+                        # graph's output, whose memory a later piece of the same step reuses
+                        # before the side stream reads it. Copy them on vLLM's stream first.
+                        x = x.clone()
                     if x.device.type == "cuda":
                         # The GPU path: pooled on a side stream ordered after torch's current
                         # stream; nothing here waits for the device. The side stream reads x, so
@@ -235,6 +255,7 @@ class PdBridgeConnectorWorker:
             except Exception as e:
                 wc.failure = f"layer {layer}: {type(e).__name__}: {e}"
                 logger.error("pd-bridge: request %s: %s", ch.req_id, wc.failure)
+            wc.forward_s += time.perf_counter() - t_feed
 
     def _rows(self, ch: CaptureChunk, layer_name: str, positions: torch.Tensor) -> int | str:
         """First row of `ch`'s tokens in this step's flattened batch, found by KV slot (with the
@@ -342,8 +363,14 @@ class PdBridgeConnectorWorker:
         # The wall-clock end of that step too: a benchmark on one machine compares it with when
         # the decode host could continue.
         after = f" ({latency * 1e3:.3f} ms after the step's forward, which ended at unix {time.time() - latency:.6f})" if latency is not None else ""
+        # What it cost: bytes shipped, host time on the forward thread, and (GPU path) the
+        # engine's buffers newly allocated since the previous seal in this process.
+        cost = f" [bytes={int(getattr(wc.capture, 'segment_bytes', 0) or 0) if wc.capture is not None else 0} forward_thread_ms={wc.forward_s * 1e3:.3f}"
+        if getattr(wc.capture, "side_stream", None) is not None:
+            gt = gpu_capture_times(True)
+            cost += f" new_buffers={gt.get('new_buffers', 0)} gpu_host_ms={sum(v for k, v in gt.items() if k.endswith('_s')) * 1e3:.3f}"
         log = logger.info if failure is None else logger.warning
-        log("pd-bridge: capture %s (request %s) sealed: %s%s", wc.spec.request_id, req_id, verdict, after)
+        log("pd-bridge: capture %s (request %s) sealed: %s%s%s]", wc.spec.request_id, req_id, verdict, after, cost)
         if self._dump_dir:
             self._dump(f"{wc.spec.request_id}.verdict.json", verdict.encode(), append=True)
 
