@@ -102,6 +102,9 @@ def test_piecewise_graphs_split_at_the_compiled_tap_and_whole_step_graphs_are_re
     cc.cudagraph_mode = CUDAGraphMode.FULL
     with pytest.raises(UnsupportedEngineSettings, match="cudagraph_mode=FULL replays prompt steps as whole CUDA graphs"):
         check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)
-    cc = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE, splitting_ops=["vllm::unified_attention_with_output"])
+    # Piecewise graphs without torch.compile are breakable stream captures: the eager tap breaks them.
+    cc = SimpleNamespace(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=[])
+    check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)
+    cc = SimpleNamespace(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE, splitting_ops=["vllm::unified_attention_with_output"])
     with pytest.raises(UnsupportedEngineSettings, match=r"pd_bridge::attention_input is not in compilation_config.splitting_ops"):
         check_compilation(SimpleNamespace(compilation_config=cc), tap.OP_NAME)

@@ -210,6 +210,38 @@ def _register_op():
     return _op
 
 
+def _feed_eager_body(module, positions, hidden_states) -> None:
+    sink = _sink
+    if sink is None:
+        return
+    try:
+        sink.on_attention_input(module, positions, hidden_states)
+    except Exception:  # never break vLLM's forward; the capture records its own failure
+        logger.exception("pd-bridge tap failed; the forward continues without it")
+
+
+_feed_eager_fn = None
+
+
+def _feed_eager():
+    """The eager tap's feed. Where vLLM captures CUDA graphs without torch.compile ("breakable"
+    graphs, vLLM's default for DeepSeek-V4: ``VLLM_USE_BREAKABLE_CUDAGRAPH``), it is one of the
+    graph's eager break points (vLLM's ``eager_break_during_capture``, as its attention ops are),
+    so it runs on every replay instead of being recorded once into the graph. Chosen at the first
+    forward: vLLM sets that variable while it builds its config, after this plugin loaded."""
+    global _feed_eager_fn
+    if _feed_eager_fn is None:
+        fn = _feed_eager_body
+        try:
+            from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+            fn = eager_break_during_capture(fn)  # itself when breakable graphs are off
+        except ImportError:  # a vLLM without breakable graphs
+            pass
+        _feed_eager_fn = fn
+    return _feed_eager_fn
+
+
 def _wrap_forward(cls, kind: str) -> bool:
     """Wrap ``cls.forward`` (defined in ``cls`` itself) so the sink sees (module, positions,
     hidden_states) before vLLM's own forward runs. False when already wrapped.
@@ -232,13 +264,8 @@ def _wrap_forward(cls, kind: str) -> bool:
         if top is forward or not getattr(top, _MARK, False):
             if compiling():
                 op(hidden_states, positions, key_of(self), kind)
-            else:
-                sink = _sink
-                if sink is not None:
-                    try:
-                        sink.on_attention_input(self, positions, hidden_states)
-                    except Exception:  # never break vLLM's forward; the capture records its own failure
-                        logger.exception("pd-bridge tap failed; the forward continues without it")
+            elif _sink is not None:
+                _feed_eager()(self, positions, hidden_states)
         return orig(self, positions, hidden_states, *args, **kwargs)
 
     setattr(forward, _MARK, True)

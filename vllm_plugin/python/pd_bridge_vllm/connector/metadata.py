@@ -55,8 +55,10 @@ def check_compilation(vllm_config, op_name: str) -> None:
     set explicitly is extended there too), so it runs eagerly between the pieces, as vLLM's
     attention ops do. Steps vLLM replays as whole-step graphs are uniform decode steps, which
     carry no prompt rows, except under ``cudagraph_mode=FULL``, where prompt steps are whole
-    graphs too: refused. A step whose rows the tap did not see fails its capture naming the
-    missing layers (never a block with a hole); the decode host then prefills natively.
+    graphs too: refused. Without torch.compile (vLLM's default for DeepSeek-V4), piecewise graphs
+    are "breakable" stream captures, and the eager tap is one of their break points. A step whose
+    rows the tap did not see fails its capture naming the missing layers (never a block with a
+    hole); the decode host then prefills natively.
     """
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "cudagraph_mode", None)
@@ -67,7 +69,10 @@ def check_compilation(vllm_config, op_name: str) -> None:
             f"PdBridgeConnector: cudagraph_mode={mode.name} replays prompt steps as whole CUDA graphs, where the "
             "model tap cannot run; use vLLM's default (FULL_AND_PIECEWISE), PIECEWISE, FULL_DECODE_ONLY or --enforce-eager"
         )
-    if mixed == "PIECEWISE" and op_name not in (getattr(cc, "splitting_ops", None) or []):
+    compiled = getattr(getattr(cc, "mode", None), "name", None) == "VLLM_COMPILE"
+    # Without torch.compile, vLLM's piecewise graphs are "breakable" ones, which the eager tap
+    # breaks itself (``tap._feed_eager``).
+    if mixed == "PIECEWISE" and compiled and op_name not in (getattr(cc, "splitting_ops", None) or []):
         raise UnsupportedEngineSettings(
             f"PdBridgeConnector: piecewise CUDA graphs would freeze the model tap into a graph: {op_name} is not in "
             f"compilation_config.splitting_ops ({getattr(cc, 'splitting_ops', None)}); add it there (vLLM must load the "
