@@ -212,7 +212,7 @@ impl Rope {
     }
 
     /// Per rotated pair, `1/freqs[j]` as the kernel derives it: for a caller that rotates in
-    /// another precision (DeepSeek-V4.1 rotates float32 rows, `crate::v41`).
+    /// another precision (DeepSeek-V4.1 rotates float32 rows, `crate::family::v41`).
     pub fn inv_freqs(&self) -> &[f32] {
         &self.inv_freq
     }
