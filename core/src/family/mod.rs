@@ -37,6 +37,10 @@
 //! family whose blocks hold another kind of cache than these two also extends the shared
 //! vocabulary (`view.rs`, `geometry.rs`, the segment's `LayerKind`, `block/layout.rs`, the carry
 //! state): that is a new block format, not only a new family.
+//!
+//! A family whose blocks oMLX cannot read yet answers `not_bridged` with the reason (as `v41/`
+//! does): its configs are refused when read, so it needs no `ModelPlan` variant, no weights in
+//! `weights.rs` and no arm anywhere else; its methods that take a plan are never called.
 
 mod contract;
 pub mod mla;
