@@ -14,76 +14,20 @@ import contextlib
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
+from parity_common import ParityResult, Tally, bf16_bits, dequantize_projections, prompt, random_chunking  # noqa: E402,F401
 
 from pd_bridge_omlx import CacheBuilder, Weights  # noqa: E402
 
 PROMPT_TOKENS = 2777  # not a multiple of 4 or 128: remainders and a partial last step
 DECODER_STEP = 512  # oMLX's block size for these models; the prefill grid
-
-
-def bf16_bits(a: mx.array) -> np.ndarray:
-    """An MLX bf16 array's raw bits as uint16, flattened."""
-    if a.dtype != mx.bfloat16:
-        raise TypeError(f"expected bfloat16, got {a.dtype}")
-    return np.array(a.view(mx.uint16)).reshape(-1)
-
-
-def ordered(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns mapped to integers whose difference counts ulps."""
-    b = bits.astype(np.int32)
-    return np.where(b & 0x8000, -(b & 0x7FFF), b)
-
-
-@dataclass
-class Tally:
-    """Array-level and element-level agreement."""
-
-    arrays: int = 0
-    arrays_identical: int = 0
-    elements: int = 0
-    elements_identical: int = 0
-    worst_ulp: int = 0
-    mismatched: list[str] = field(default_factory=list)
-    names: set[str] = field(default_factory=set)
-
-    def add(self, label: str, ours: np.ndarray, theirs: np.ndarray, shape_ours, shape_theirs) -> None:
-        if tuple(shape_ours) != tuple(shape_theirs):
-            self.arrays += 1
-            self.mismatched.append(f"{label}: shape {tuple(shape_ours)} vs MLX {tuple(shape_theirs)}")
-            return
-        if ours.size == 0:
-            return  # both empty (no remainder rows): nothing to compare
-        self.arrays += 1
-        self.names.add(label.split()[-1])
-        same = ours == theirs
-        self.elements += ours.size
-        self.elements_identical += int(same.sum())
-        if same.all():
-            self.arrays_identical += 1
-        else:
-            ulp = int(np.abs(ordered(ours) - ordered(theirs)).max())
-            self.worst_ulp = max(self.worst_ulp, ulp)
-            self.mismatched.append(f"{label}: {int((~same).sum())}/{ours.size} differ, worst {ulp} ulp")
-
-    @property
-    def bit_exact(self) -> bool:
-        return self.arrays > 0 and self.arrays == self.arrays_identical
-
-    def line(self, name: str) -> str:
-        frac = self.elements_identical / max(self.elements, 1)
-        return (
-            f"{name:<34} arrays {self.arrays_identical}/{self.arrays} bit-exact, "
-            f"elements {self.elements_identical}/{self.elements} ({100 * frac:.4f}%), worst {self.worst_ulp} ulp"
-        )
 
 
 @contextlib.contextmanager
@@ -152,7 +96,7 @@ def compare_layer(tally: Tally, label: str, builder: CacheBuilder, layer: int, e
         else:
             theirs_bits = bf16_bits(theirs)
             theirs_shape = (theirs_bits.size // theirs.shape[-1], theirs.shape[-1])
-        tally.add(f"{label} {name}", ours, theirs_bits, shape, theirs_shape)
+        tally.add(f"{label} {name}", ours, shape, theirs_bits, theirs_shape)
 
 
 @dataclass
@@ -220,17 +164,6 @@ def core_replay(weights: Weights, cap: ForwardCapture, step: int, tally: Tally, 
     return spent
 
 
-def random_chunking(total: int, rng: random.Random) -> list[int]:
-    cuts = sorted(rng.sample(range(1, total), 17))
-    sizes = [b - a for a, b in zip([0] + cuts, cuts + [total])]
-    return [1] * 3 + [sizes[0] - 3] + sizes[1:] if sizes[0] > 3 else sizes
-
-
-def prompt(n: int, vocab: int, seed: int = 1) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
 def v4_classes():
     from mlx_lm.models import deepseek_v4 as dv4
 
@@ -243,33 +176,10 @@ def mla_classes():
     return (dv3.DeepseekV3Attention,)
 
 
-def dequantize_attention(model) -> int:
-    """Swap every MXFP8 attention projection for a bf16 Linear holding ``mx.dequantize`` of it:
-    the "dequantize, then f32-accumulated matmul" arithmetic the core implements."""
-    swapped = 0
-    for layer in model.layers:
-        q = layer.attn.wkv
-        if isinstance(q, nn.QuantizedLinear):
-            w = mx.dequantize(q.weight, q.scales, None, q.group_size, q.bits, mode=q.mode).astype(mx.bfloat16)
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-            lin.weight = w
-            layer.attn.wkv = lin
-            swapped += 1
-    return swapped
-
-
-@dataclass
-class ParityResult:
-    name: str
-    tally: Tally
-    mlx_seconds: float
-    core_seconds: float
-
-
 def run_v4(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP, dequantized: bool = False) -> ParityResult:
     model = tiny_models.load(model_dir)
     if dequantized:
-        assert dequantize_attention(model) > 0, "model has no MXFP8 attention to dequantize"
+        assert dequantize_projections(model, "attn", "wkv") > 0, "model has no MXFP8 attention to dequantize"
     weights = Weights.load(str(model_dir))
     toks = prompt(n_tokens, model.args.vocab_size)
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import contextlib
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,77 +25,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_v41  # noqa: E402
+from parity_common import ParityResult, Tally, bits, dequantize_projections, prompt, random_chunking  # noqa: E402
 
 # Odd, so the last group is unfinished (pending rows); steps of an odd size, so calls start at
 # odd positions too (the pending row crosses calls), and the window (128) wraps many times.
 PROMPT_TOKENS = 1111
 DECODER_STEP = 255
 CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
-
-
-def bits(a: mx.array) -> np.ndarray:
-    """An MLX bf16 or float32 array's raw bits, flattened (uint16 or uint32)."""
-    if a.dtype == mx.bfloat16:
-        return np.array(a.view(mx.uint16)).reshape(-1)
-    if a.dtype == mx.float32:
-        return np.array(a).view(np.uint32).reshape(-1)
-    raise TypeError(f"expected bfloat16 or float32, got {a.dtype}")
-
-
-def ulps(a: np.ndarray, b: np.ndarray) -> int:
-    """The largest distance in ulps between two arrays of bf16 or float32 bit patterns."""
-    sign = np.int64(1) << (8 * a.dtype.itemsize - 1)
-
-    def ordered(x):
-        x = x.astype(np.int64)
-        return np.where(x & sign, -(x & (sign - 1)), x)
-
-    return int(np.abs(ordered(a) - ordered(b)).max())
-
-
-@dataclass
-class Tally:
-    """Array-level and element-level agreement, per dtype."""
-
-    arrays: int = 0
-    arrays_identical: int = 0
-    elements: int = 0
-    elements_identical: int = 0
-    worst_ulp: int = 0
-    mismatched: list[str] = field(default_factory=list)
-    names: set[str] = field(default_factory=set)
-    layers: set[int] = field(default_factory=set)
-
-    def add(self, label: str, layer: int, name: str, ours: np.ndarray, shape_ours, theirs: np.ndarray, shape_theirs) -> None:
-        if tuple(shape_ours) != tuple(shape_theirs) or ours.dtype != theirs.dtype:
-            self.arrays += 1
-            self.mismatched.append(f"{label}: {ours.dtype} {tuple(shape_ours)} vs mlx-lm {theirs.dtype} {tuple(shape_theirs)}")
-            return
-        if ours.size == 0:
-            return  # both empty (no pending row): nothing to compare
-        self.arrays += 1
-        self.names.add(name)
-        self.layers.add(layer)
-        same = ours == theirs
-        self.elements += ours.size
-        self.elements_identical += int(same.sum())
-        if same.all():
-            self.arrays_identical += 1
-        else:
-            u = ulps(ours, theirs)
-            self.worst_ulp = max(self.worst_ulp, u)
-            self.mismatched.append(f"{label}: {int((~same).sum())}/{ours.size} differ, worst {u} ulp")
-
-    @property
-    def bit_exact(self) -> bool:
-        return self.arrays > 0 and self.arrays == self.arrays_identical
-
-    def line(self, name: str) -> str:
-        frac = self.elements_identical / max(self.elements, 1)
-        return (
-            f"{name:<34} arrays {self.arrays_identical}/{self.arrays} bit-exact, "
-            f"elements {self.elements_identical}/{self.elements} ({100 * frac:.4f}%), worst {self.worst_ulp} ulp"
-        )
 
 
 @contextlib.contextmanager
@@ -173,7 +109,7 @@ def compare_layer(tally: Tally, label: str, builder, layer: int, want: dict[str,
             theirs_bits = theirs_bits[skip_groups * width :]
             rows -= skip_groups
         o, shape = ours[name]
-        tally.add(f"{label} {name}", layer, name, o, shape, theirs_bits, (rows, width))
+        tally.add(f"{label} {name}", o, shape, theirs_bits, (rows, width), name=name, layer=layer)
 
 
 def core_replay(weights, cap: ForwardCapture, tally: Tally, chunking=None):
@@ -259,56 +195,18 @@ def core_resume(weights, cap: ForwardCapture, step_index: int, tally: Tally, rng
         compare_layer(tally, f"resumed@{position} layer {layer}", builder, layer, cap.expected[-1][layer], skip_groups=skip)
 
 
-def random_chunking(total: int, rng: random.Random) -> list[int]:
-    cuts = sorted(rng.sample(range(1, total), 17))
-    sizes = [b - a for a, b in zip([0] + cuts, cuts + [total])]
-    return [1] * 3 + [sizes[0] - 3] + sizes[1:] if sizes[0] > 3 else sizes
-
-
-def prompt(n: int, vocab: int, seed: int = 1) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-@dataclass
-class ParityResult:
-    name: str
-    tally: Tally
-    mlx_seconds: float
-    core_seconds: float
-    steps: int
-
-
-def dequantize_windows(model) -> int:
-    """Swap every MXFP8 window projection (``self_attn.kv_proj``) for a bf16 Linear holding
-    ``mx.dequantize`` of it: the "dequantize, then f32-accumulated matmul" the core implements
-    (MLX's CPU ``quantized_matmul`` with bf16 activations rounds otherwise)."""
-    import mlx.nn as nn
-
-    swapped = 0
-    for layer in model.layers:
-        q = layer.self_attn.kv_proj
-        if isinstance(q, nn.QuantizedLinear):
-            w = mx.dequantize(q.weight, q.scales, None, q.group_size, q.bits, mode=q.mode).astype(mx.bfloat16)
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-            lin.weight = w
-            layer.self_attn.kv_proj = lin
-            swapped += 1
-    return swapped
-
-
 def run_v41(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP, dequantized: bool = False) -> ParityResult:
     from pd_bridge_omlx._native import V41Weights
 
     model = tiny_v41.load(model_dir)
     if dequantized:
-        assert dequantize_windows(model) > 0, "model has no MXFP8 window projection to dequantize"
+        assert dequantize_projections(model, "self_attn", "kv_proj") > 0, "model has no MXFP8 window projection to dequantize"
     weights = V41Weights.load(str(model_dir))
     toks = prompt(n_tokens, model.args.vocab_size)
     t0 = time.perf_counter()
     cap = mlx_prefill(model, toks, step)
     mlx_s = time.perf_counter() - t0
-    tally = Tally()
+    tally = Tally(reference="mlx-lm")
     core_s = core_replay(weights, cap, tally)
     core_replay(weights, cap, tally, chunking=random_chunking(n_tokens, random.Random(9)))
     # Resume at an odd step boundary (a pending row is carried) and at an even one.

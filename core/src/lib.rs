@@ -27,8 +27,6 @@ pub mod pooler;
 pub mod segment;
 pub mod segment_server;
 pub(crate) mod sync;
-// DeepSeek-V4.1's cache math: a family of its own (plan, weights, state, carry), see its docs.
-pub mod v41;
 pub mod view;
 pub mod weights;
 pub mod wire;

@@ -59,7 +59,7 @@ fn linear_rows(x: &[bf16], k: usize, w: &[f32], n: usize, out: &mut [bf16]) {
 /// Sequential f32 dot product. Written as four independent chains would change the rounding;
 /// this must stay strictly left to right.
 #[inline]
-fn dot_sequential(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot_sequential(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = 0f32;
     for (x, y) in a.iter().zip(b) {
         acc += x * y;
@@ -212,7 +212,7 @@ impl Rope {
     }
 
     /// Per rotated pair, `1/freqs[j]` as the kernel derives it: for a caller that rotates in
-    /// another precision (DeepSeek-V4.1 rotates float32 rows, `crate::v41`).
+    /// another precision (DeepSeek-V4.1 rotates float32 rows, `crate::family::v41`).
     pub fn inv_freqs(&self) -> &[f32] {
         &self.inv_freq
     }

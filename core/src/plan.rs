@@ -66,27 +66,8 @@ pub enum ModelPlan {
 }
 
 impl ModelPlan {
-    /// Parse a decoder `config.json`'s text.
-    pub fn from_config_json(text: &str) -> Result<Self> {
-        let v: Value = serde_json::from_str(text).map_err(|e| CoreError::config("config.json", format!("not valid JSON: {e}")))?;
-        let obj = v.as_object().ok_or_else(|| CoreError::config("config.json", "top level is not an object"))?;
-        let model_type = str_field(obj, "model_type")?;
-        match model_type.as_str() {
-            "deepseek_v4" => Ok(ModelPlan::DeepseekV4(v4_plan(obj)?)),
-            "deepseek_v3" | "kimi_k2" => Ok(ModelPlan::Mla(mla_plan(obj)?)),
-            // Its cache math exists (`crate::v41`, bit-exact against mlx-lm 0.32.2), but oMLX's
-            // block format for it is not known here: no block may be written that oMLX would read
-            // differently, so the bridge refuses it and the prompt prefills natively.
-            "deepseek_v41" => Err(CoreError::config(
-                "model_type",
-                "\"deepseek_v41\" (DeepSeek-V4.1) is not bridged yet: its cache math is in pd-bridge, but oMLX's block format for it is not; the prompt prefills natively",
-            )),
-            other => Err(CoreError::config(
-                "model_type",
-                format!("{other:?} is not supported (supported: \"deepseek_v4\", \"deepseek_v3\", \"kimi_k2\")"),
-            )),
-        }
-    }
+    // `from_config_json` (which family reads a config, and whether it is bridged) is in
+    // `crate::family`, where the families' table is.
 
     pub fn num_layers(&self) -> usize {
         match self {
@@ -119,7 +100,7 @@ impl ModelPlan {
     }
 }
 
-fn v4_plan(obj: &Map<String, Value>) -> Result<V4Plan> {
+pub(crate) fn v4_plan(obj: &Map<String, Value>) -> Result<V4Plan> {
     let num_layers = usize_field(obj, "num_hidden_layers", None)?;
     let hidden_size = usize_field(obj, "hidden_size", None)?;
     let head_dim = usize_field(obj, "head_dim", Some(512))?;
@@ -178,7 +159,7 @@ fn v4_plan(obj: &Map<String, Value>) -> Result<V4Plan> {
     })
 }
 
-fn mla_plan(obj: &Map<String, Value>) -> Result<MlaPlan> {
+pub(crate) fn mla_plan(obj: &Map<String, Value>) -> Result<MlaPlan> {
     let rope_head_dim = usize_field(obj, "qk_rope_head_dim", None)?;
     if rope_head_dim == 0 || rope_head_dim % 2 != 0 {
         return Err(CoreError::config("qk_rope_head_dim", format!("{rope_head_dim} is not a positive even number")));
@@ -230,7 +211,7 @@ fn rope_scaling(obj: &Map<String, Value>) -> Result<Option<Yarn>> {
     }
 }
 
-fn str_field(obj: &Map<String, Value>, k: &str) -> Result<String> {
+pub(crate) fn str_field(obj: &Map<String, Value>, k: &str) -> Result<String> {
     match obj.get(k) {
         Some(Value::String(s)) => Ok(s.clone()),
         Some(other) => Err(CoreError::config(k, format!("expected a string, got {other}"))),
@@ -241,7 +222,7 @@ fn str_field(obj: &Map<String, Value>, k: &str) -> Result<String> {
 /// The largest value a config may give each size (far above any real model's, well below what
 /// would make the cache state or a block's layout allocate without bound: a hostile or garbled
 /// `config.json` gets a config error, not an out-of-memory abort).
-fn size_limit(k: &str) -> u64 {
+pub(crate) fn size_limit(k: &str) -> u64 {
     match k {
         "num_hidden_layers" => 1 << 12,
         "sliding_window" => 1 << 20,
@@ -249,7 +230,7 @@ fn size_limit(k: &str) -> u64 {
     }
 }
 
-fn usize_field(obj: &Map<String, Value>, k: &str, default: Option<usize>) -> Result<usize> {
+pub(crate) fn usize_field(obj: &Map<String, Value>, k: &str, default: Option<usize>) -> Result<usize> {
     match obj.get(k) {
         Some(v) => match v.as_u64() {
             Some(n) if n > 0 && n <= size_limit(k) => Ok(n as usize),
@@ -261,9 +242,14 @@ fn usize_field(obj: &Map<String, Value>, k: &str, default: Option<usize>) -> Res
 }
 
 fn f32_field(obj: &Map<String, Value>, k: &str, default: Option<f32>) -> Result<f32> {
+    f64_field(obj, k, default.map(f64::from)).map(|x| x as f32)
+}
+
+/// A positive finite number (`default` when absent).
+pub(crate) fn f64_field(obj: &Map<String, Value>, k: &str, default: Option<f64>) -> Result<f64> {
     match obj.get(k) {
         Some(v) => match v.as_f64() {
-            Some(x) if x.is_finite() && x > 0.0 => Ok(x as f32),
+            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
             _ => Err(CoreError::config(k, format!("{v} is not a positive number"))),
         },
         None => default.ok_or_else(|| CoreError::config(k, "missing")),

@@ -181,13 +181,13 @@ struct QuantSpec {
     bits: u64,
 }
 
-struct Quantization {
+pub(crate) struct Quantization {
     default: Option<QuantSpec>,
     per_module: BTreeMap<String, QuantSpec>,
 }
 
 impl Quantization {
-    fn from_config(cfg: &Value) -> Result<Self> {
+    pub(crate) fn from_config(cfg: &Value) -> Result<Self> {
         let q = match cfg.get("quantization").or_else(|| cfg.get("quantization_config")) {
             None | Some(Value::Null) => return Ok(Quantization { default: None, per_module: BTreeMap::new() }),
             Some(Value::Object(m)) => m,
@@ -222,13 +222,13 @@ impl Quantization {
 }
 
 /// The model's safetensors files, memory-mapped, and which file holds which tensor.
-struct TensorStore {
+pub(crate) struct TensorStore {
     maps: Vec<(PathBuf, Mmap)>,
     index: BTreeMap<String, usize>,
 }
 
 impl TensorStore {
-    fn open(dir: &Path) -> Result<Self> {
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
             .map_err(|e| CoreError::io(dir, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -260,6 +260,11 @@ impl TensorStore {
         name.starts_with(prefix).then_some(name.as_str())
     }
 
+    /// Whether the model files hold `name`.
+    pub(crate) fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
     fn get(&self, name: &str) -> Result<Option<safetensors::tensor::TensorView<'_>>> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
         let (path, map) = &self.maps[i];
@@ -268,20 +273,21 @@ impl TensorStore {
     }
 }
 
-const MISSING: &str = "missing from the model files";
+pub(crate) const MISSING: &str = "missing from the model files";
 
 /// A tensor as stored: name, dtype, shape, little-endian bytes.
 type RecordedTensor = (String, Dtype, Vec<usize>, Vec<u8>);
 
-struct Reader<'a> {
-    store: &'a TensorStore,
-    quant: &'a Quantization,
-    hasher: Sha256,
-    record: Option<&'a mut Vec<RecordedTensor>>,
+pub(crate) struct Reader<'a> {
+    pub(crate) store: &'a TensorStore,
+    pub(crate) quant: &'a Quantization,
+    pub(crate) hasher: Sha256,
+    pub(crate) record: Option<&'a mut Vec<RecordedTensor>>,
 }
 
 impl Reader<'_> {
-    fn tensor(&mut self, name: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
+    /// A tensor as stored, hashed into the fingerprint (and recorded, when recording).
+    pub(crate) fn tensor(&mut self, name: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>)> {
         let t = self.store.get(name)?.ok_or_else(|| CoreError::weights(name, MISSING))?;
         let (dtype, shape, data) = (t.dtype(), t.shape().to_vec(), t.data().to_vec());
         self.hasher.update(name.as_bytes());
@@ -293,14 +299,15 @@ impl Reader<'_> {
         Ok((dtype, shape, data))
     }
 
-    fn expect_shape(name: &str, shape: &[usize], want: &[usize]) -> Result<()> {
+    pub(crate) fn expect_shape(name: &str, shape: &[usize], want: &[usize]) -> Result<()> {
         if shape != want {
             return Err(CoreError::weights(name, format!("shape {shape:?}, expected {want:?}")));
         }
         Ok(())
     }
 
-    fn linear(&mut self, module: &str, out_dim: usize, in_dim: usize) -> Result<Linear> {
+    /// A projection: bf16, or MXFP8 (`mx.dequantize`, exact).
+    pub(crate) fn linear(&mut self, module: &str, out_dim: usize, in_dim: usize) -> Result<Linear> {
         let wname = format!("{module}.weight");
         if self.store.get(&format!("{module}.bias"))?.is_some() {
             return Err(CoreError::weights(format!("{module}.bias"), "biased projections are not supported"));
@@ -344,7 +351,7 @@ impl Reader<'_> {
         Ok(Linear { out_dim, in_dim, w })
     }
 
-    fn norm(&mut self, name: &str, dim: usize) -> Result<Vec<bf16>> {
+    pub(crate) fn norm(&mut self, name: &str, dim: usize) -> Result<Vec<bf16>> {
         let (dt, shape, bytes) = self.tensor(name)?;
         Self::expect_shape(name, &shape, &[dim])?;
         if dt != Dtype::BF16 {

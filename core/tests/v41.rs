@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use half::bf16;
 use pd_bridge_core::error::CarryField;
-use pd_bridge_core::v41::{V41Array, V41Carry, V41CacheBuilder, V41Weights};
+use pd_bridge_core::family::v41::{V41Array, V41Carry, V41CacheBuilder, V41Weights};
 use pd_bridge_core::CoreError;
 use proptest::prelude::*;
 use safetensors::tensor::Dtype;
@@ -144,7 +144,7 @@ proptest! {
                 prop_assert_eq!(g.name, w.name);
                 prop_assert_eq!(&g.shape[1..], &w.shape[1..]);
                 prop_assert_eq!(g.shape[0] + tail, w.shape[0], "layer {} {}", layer, g.name);
-                let (pd_bridge_core::v41::V41Data::F32(gv), pd_bridge_core::v41::V41Data::F32(wv)) = (&g.data, &w.data) else {
+                let (pd_bridge_core::family::v41::V41Data::F32(gv), pd_bridge_core::family::v41::V41Data::F32(wv)) = (&g.data, &w.data) else {
                     prop_assert_eq!(&g.data, &w.data);
                     continue;
                 };
@@ -183,7 +183,7 @@ fn state_follows_the_layer_kinds() {
     assert_eq!(shapes(4), vec![("window", "bfloat16", vec![WINDOW, HEAD]), ("compress_kv", "float32", vec![37, HEAD])]);
     // Fake-quantized: every compressed value is an FP4 magnitude times its block's E4M3 scale,
     // so a 16-value block holds few distinct magnitudes.
-    let pd_bridge_core::v41::V41Data::F32(ckv) = &s[3][1].data else { panic!() };
+    let pd_bridge_core::family::v41::V41Data::F32(ckv) = &s[3][1].data else { panic!() };
     for block in ckv.chunks(16) {
         let mut mags: Vec<u32> = block.iter().map(|v| v.abs().to_bits()).collect();
         mags.sort();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use pd_bridge_bindings::buffer::{with_bf16, ByteView};
 use pd_bridge_bindings::{guard, to_py, InputError};
-use pd_bridge_core::v41::{V41Carry, V41LayerCarry, V41CacheBuilder as CoreV41CacheBuilder, V41Weights as CoreV41Weights};
+use pd_bridge_core::family::v41::{V41Carry, V41LayerCarry, V41CacheBuilder as CoreV41CacheBuilder, V41Weights as CoreV41Weights};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 

@@ -4,6 +4,7 @@
 //! lists them.
 
 use half::bf16;
+use serde_json::{Map, Value};
 
 use crate::error::Result;
 use crate::format::OmlxFormat;
@@ -15,12 +16,27 @@ use crate::segment::BlockPlan;
 use crate::view::{LayerView, StateArray};
 use crate::weights::LayerWeights;
 
-/// One model family: what its decoder caches per layer, and the math that computes it. Every
-/// method is given a plan of this family ([`crate::family::of`] picks the family by
+/// One model family: which configs it reads, what its decoder caches per layer, and the math
+/// that computes it. Every method taking a plan is given a plan of this family ([`crate::family::of`] picks the family by
 /// [`ModelPlan::family`]).
 pub trait Family: Send + Sync {
     /// The [`ModelPlan::family`] name of this family's plans.
     fn name(&self) -> &'static str;
+
+    /// The `model_type`s of the `config.json`s this family reads.
+    fn model_types(&self) -> &'static [&'static str];
+
+    /// Why this family's models are not bridged, where they are not (its cache math may exist
+    /// while oMLX's block format for it does not): [`ModelPlan::from_config_json`] refuses such a
+    /// model with this reason before any plan is made, so no plan, capture or block of the family
+    /// exists and its prompts prefill natively. `None` (the default): bridged.
+    fn not_bridged(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The plan of a `config.json` whose `model_type` is one of [`Self::model_types`] (`config`:
+    /// its top-level object), with the defaults and checks of the decoder's model class.
+    fn read_plan(&self, config: &Map<String, Value>) -> Result<ModelPlan>;
 
     /// The geometry answers: what each of the plan's layers caches. Everything a block or a
     /// segment holds at a boundary follows from these ([`crate::geometry`]), for every format.

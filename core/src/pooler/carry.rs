@@ -35,6 +35,40 @@ pub(crate) fn err(what: CarryField, reason: impl Into<String>) -> CoreError {
     CoreError::Carry { what, reason: reason.into() }
 }
 
+/// Framed carry bytes, every family's: `magic | version u32 LE | header length u32 LE | header |
+/// the body (`body_len` bytes, written by `body`) | crc32 u32 LE of everything before it`.
+pub(crate) fn frame(magic: &[u8; 4], version: u32, head: &[u8], body_len: usize, body: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + head.len() + body_len + 4);
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(head.len() as u32).to_le_bytes());
+    out.extend_from_slice(head);
+    body(&mut out);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The header and the body of [`frame`]d bytes, after checking the magic, the version and the
+/// checksum (`what`: whose bytes, for the message: "carry state", ...).
+pub(crate) fn unframe<'a>(bytes: &'a [u8], magic: &[u8; 4], version: u32, what: &str) -> Result<(&'a [u8], &'a [u8])> {
+    let framing = |r: String| err(CarryField::Framing, r);
+    if bytes.len() < 16 || &bytes[..4] != magic {
+        return Err(framing(format!("not a pd-bridge {what} (bad magic or too short)")));
+    }
+    let found = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
+    if found != version {
+        return Err(framing(format!("version {found}; this build reads version {version}")));
+    }
+    let (payload, crc) = bytes.split_at(bytes.len() - 4);
+    if crc32fast::hash(payload).to_le_bytes() != crc {
+        return Err(framing("checksum mismatch: the bytes were damaged".into()));
+    }
+    let n = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes")) as usize;
+    let head = payload.get(12..12 + n).ok_or_else(|| framing(format!("header of {n} bytes overruns the payload")))?;
+    Ok((head, &payload[12 + n..]))
+}
+
 /// One compressor's carry (the layer's pool, or the indexer's).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolCarry {
@@ -227,41 +261,22 @@ impl CarryState {
         };
         let head = serde_json::to_vec(&header).expect("carry header serializes");
         let body: usize = arrays.iter().map(|a| a.len() * 2).sum();
-        let mut out = Vec::with_capacity(12 + head.len() + body + 4);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&CARRY_VERSION.to_le_bytes());
-        out.extend_from_slice(&(head.len() as u32).to_le_bytes());
-        out.extend_from_slice(&head);
-        for a in arrays {
-            for v in a {
-                out.extend_from_slice(&v.to_le_bytes());
+        frame(MAGIC, CARRY_VERSION, &head, body, |out| {
+            for a in arrays {
+                for v in a {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
             }
-        }
-        let crc = crc32fast::hash(&out);
-        out.extend_from_slice(&crc.to_le_bytes());
-        out
+        })
     }
 
     /// Parse carry-state bytes; every length is checked against the bytes present. The result is
     /// not yet checked against a model ([`Self::check_for`]).
     pub fn decode(bytes: &[u8]) -> Result<CarryState> {
         let framing = |r: String| err(CarryField::Framing, r);
-        if bytes.len() < 16 || &bytes[..4] != MAGIC {
-            return Err(framing("not a pd-bridge carry state (bad magic or too short)".into()));
-        }
-        let version = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
-        if version != CARRY_VERSION {
-            return Err(framing(format!("version {version}; this build reads version {CARRY_VERSION}")));
-        }
-        let (payload, crc) = bytes.split_at(bytes.len() - 4);
-        if crc32fast::hash(payload).to_le_bytes() != crc {
-            return Err(framing("checksum mismatch: the bytes were damaged".into()));
-        }
-        let n = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes")) as usize;
-        let head = payload.get(12..12 + n).ok_or_else(|| framing(format!("header of {n} bytes overruns the payload")))?;
+        let (head, mut body) = unframe(bytes, MAGIC, CARRY_VERSION, "carry state")?;
         let h: WireHeader = serde_json::from_slice(head).map_err(|e| framing(format!("header: {e}")))?;
         let format = OmlxFormat::from_name(&h.omlx_format).map_err(|e| err(CarryField::Format, e.to_string()))?;
-        let mut body = &payload[12 + n..];
         let mut take = |values: u64| -> Result<Vec<bf16>> {
             let bytes = usize::try_from(values).ok().and_then(|v| v.checked_mul(2)).filter(|&b| b <= body.len());
             let bytes = bytes.ok_or_else(|| framing(format!("an array of {values} values overruns the payload ({} bytes left)", body.len())))?;

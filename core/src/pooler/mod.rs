@@ -16,6 +16,7 @@
 //! ([`crate::format::Overlap::Carried`]): there the grid changes nothing.
 
 pub mod carry;
+pub(crate) mod chunk;
 pub mod steps;
 
 use std::sync::Arc;
@@ -126,27 +127,9 @@ impl CacheBuilder {
         let n = self.layers.len();
         let origin = self.origin;
         let state = self.layers.get_mut(layer).ok_or_else(|| CoreError::input(layer, format!("the model has {n} layers")))?;
-        if x.is_empty() || x.len() % hidden != 0 {
-            return Err(CoreError::input(layer, format!("{} values is not a positive whole number of rows of width {hidden}", x.len())));
-        }
-        let (start, x) = if start < origin {
-            let skip = (origin - start).min(x.len() / hidden);
-            if skip * hidden == x.len() {
-                return Ok(());
-            }
-            (origin, &x[skip * hidden..])
-        } else {
-            (start, x)
+        let Some((start, x)) = chunk::admit(layer, hidden, origin, state.processed(), start, x)? else {
+            return Ok(());
         };
-        let processed = state.processed();
-        if start != processed {
-            let why = if processed == origin && origin > 0 {
-                format!("chunk starts at token {start} but the state resumed at {origin}: rows [{origin}, {start}) were never fed (a resumed capture needs every row from its resume point on)")
-            } else {
-                format!("chunk starts at token {start} but {processed} tokens are processed")
-            };
-            return Err(CoreError::input(layer, why));
-        }
         let rows = x.len() / hidden;
         state.0.feed(&self.weights.layers[layer], start, rows, x)
     }

@@ -7,6 +7,7 @@ mod math;
 pub use math::MlaLayerState;
 
 use half::bf16;
+use serde_json::{Map, Value};
 
 use super::contract::{Family, LayerMath};
 use crate::error::{CarryField, CoreError, Result};
@@ -33,6 +34,14 @@ fn own(plan: &ModelPlan) -> &MlaPlan {
 impl Family for Mla {
     fn name(&self) -> &'static str {
         "mla"
+    }
+
+    fn model_types(&self) -> &'static [&'static str] {
+        &["deepseek_v3", "kimi_k2"]
+    }
+
+    fn read_plan(&self, config: &Map<String, Value>) -> Result<ModelPlan> {
+        Ok(ModelPlan::Mla(crate::plan::mla_plan(config)?))
     }
 
     /// Every layer is a plain KV cache: keys the latent (`kv_lora_rank` wide), values the

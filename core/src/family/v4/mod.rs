@@ -7,6 +7,7 @@ mod math;
 pub use math::V4LayerState;
 
 use half::bf16;
+use serde_json::{Map, Value};
 
 use super::contract::{Family, LayerMath};
 use crate::error::{CarryField, CoreError, Result};
@@ -33,6 +34,14 @@ fn own(plan: &ModelPlan) -> &V4Plan {
 impl Family for DeepseekV4 {
     fn name(&self) -> &'static str {
         "deepseek_v4"
+    }
+
+    fn model_types(&self) -> &'static [&'static str] {
+        &["deepseek_v4"]
+    }
+
+    fn read_plan(&self, config: &Map<String, Value>) -> Result<ModelPlan> {
+        Ok(ModelPlan::DeepseekV4(crate::plan::v4_plan(config)?))
     }
 
     /// Every layer is a rotating window of `sliding_window` rows, `head_dim` wide; a compressed

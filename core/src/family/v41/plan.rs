@@ -6,6 +6,7 @@ use serde_json::{Map, Value};
 
 use crate::error::{CoreError, Result};
 use crate::numerics::{Rope, Yarn};
+use crate::plan::{f64_field, usize_field};
 
 /// The `model_type` this plan reads.
 pub const MODEL_TYPE: &str = "deepseek_v41";
@@ -121,7 +122,7 @@ fn plan(obj: &Map<String, Value>) -> Result<V41Plan> {
         None | Some(Value::Null) => Vec::new(),
         Some(v) => ids_field(v, "index_source_layer_ids")?,
     };
-    let max_pos = f64_field(obj, "max_position_embeddings", 1048576.0)?;
+    let max_pos = f64_field(obj, "max_position_embeddings", Some(1048576.0))?;
     let yarn = match obj.get("rope_scaling") {
         None | Some(Value::Null) => Yarn { original_max_position_embeddings: max_pos, ..unscaled() },
         Some(Value::Object(rs)) => {
@@ -155,45 +156,14 @@ fn plan(obj: &Map<String, Value>) -> Result<V41Plan> {
         rope_head_dim,
         index_head_dim,
         sliding_window,
-        rope_theta: f64_field(obj, "rope_theta", 10000.0)? as f32,
-        compress_rope_theta: f64_field(obj, "compress_rope_theta", 160000.0)? as f32,
+        rope_theta: f64_field(obj, "rope_theta", Some(10000.0))? as f32,
+        compress_rope_theta: f64_field(obj, "compress_rope_theta", Some(160000.0))? as f32,
         yarn,
-        rms_norm_eps: f64_field(obj, "rms_norm_eps", 1e-20)? as f32,
+        rms_norm_eps: f64_field(obj, "rms_norm_eps", Some(1e-20))? as f32,
         compress_ratios,
         kv_source_layer_ids,
         index_source_layer_ids,
     })
-}
-
-/// The largest size a config may give (far above any real model's): a garbled config.json gets a
-/// config error, not an allocation without bound.
-fn size_limit(k: &str) -> u64 {
-    match k {
-        "num_hidden_layers" => 1 << 12,
-        "sliding_window" => 1 << 20,
-        _ => 1 << 17,
-    }
-}
-
-fn usize_field(obj: &Map<String, Value>, k: &str, default: Option<usize>) -> Result<usize> {
-    match obj.get(k) {
-        Some(v) => match v.as_u64() {
-            Some(n) if n > 0 && n <= size_limit(k) => Ok(n as usize),
-            Some(n) if n > 0 => Err(CoreError::config(k, format!("{n} is larger than any model this supports (at most {})", size_limit(k)))),
-            _ => Err(CoreError::config(k, format!("{v} is not a positive integer"))),
-        },
-        None => default.ok_or_else(|| CoreError::config(k, "missing")),
-    }
-}
-
-fn f64_field(obj: &Map<String, Value>, k: &str, default: f64) -> Result<f64> {
-    match obj.get(k) {
-        Some(v) => match v.as_f64() {
-            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
-            _ => Err(CoreError::config(k, format!("{v} is not a positive number"))),
-        },
-        None => Ok(default),
-    }
 }
 
 /// A list of non-negative integers (layer ids or ratios).

@@ -8,19 +8,9 @@
 
 use half::{bf16, f16};
 
-use crate::numerics::{mlx_sincos, round_bf16};
-
-/// Sequential f32 dot product, strictly left to right, no fused multiply-add: MLX's CPU float32
-/// matmul is the reference BLAS `sgemm` its Linux wheel ships (`libblas` 3.10), whose inner loop
-/// is `temp = temp + a*b` in index order.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = 0f32;
-    for (x, y) in a.iter().zip(b) {
-        acc += x * y;
-    }
-    acc
-}
+// `dot`: strictly left to right, no fused multiply-add: MLX's CPU float32 matmul is the reference
+// BLAS `sgemm` its Linux wheel ships (`libblas` 3.10), whose inner loop is `temp = temp + a*b`.
+use crate::numerics::{dot_sequential as dot, mlx_sincos, round_bf16};
 
 /// `y[L,N] = x[L,K] · w[N,K]ᵀ` in float32 (`nn.Linear` with a float32 weight, or a bf16 input
 /// promoted to float32): no rounding beyond float32's own.

@@ -19,16 +19,12 @@ use half::bf16;
 use serde::{Deserialize, Serialize};
 
 use super::plan::V41Plan;
-use crate::error::CarryField;
-use crate::error::{CoreError, Result};
+use crate::error::{CarryField, Result};
+use crate::pooler::carry::{err, frame, unframe};
 
 /// Version of the bytes this build writes and reads.
 pub const V41_CARRY_VERSION: u32 = 1;
 const MAGIC: &[u8; 4] = b"PD41";
-
-fn err(what: CarryField, reason: impl Into<String>) -> CoreError {
-    CoreError::Carry { what, reason: reason.into() }
-}
 
 /// One layer's carry.
 #[derive(Clone, Debug, PartialEq)]
@@ -95,40 +91,22 @@ impl V41Carry {
             layers: self.layers.iter().map(|l| (l.window.len() as u64, l.pending_kv.len() as u64)).collect(),
         };
         let head = serde_json::to_vec(&header).expect("carry header serializes");
-        let mut out = Vec::with_capacity(12 + head.len() + 4);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&V41_CARRY_VERSION.to_le_bytes());
-        out.extend_from_slice(&(head.len() as u32).to_le_bytes());
-        out.extend_from_slice(&head);
-        for l in &self.layers {
-            out.extend(l.window.iter().flat_map(|v| v.to_le_bytes()));
-            out.extend(l.pending_kv.iter().flat_map(|v| v.to_le_bytes()));
-            out.extend(l.pending_gate.iter().flat_map(|v| v.to_le_bytes()));
-        }
-        let crc = crc32fast::hash(&out);
-        out.extend_from_slice(&crc.to_le_bytes());
-        out
+        let body: usize = self.layers.iter().map(|l| 2 * l.window.len() + 4 * (l.pending_kv.len() + l.pending_gate.len())).sum();
+        frame(MAGIC, V41_CARRY_VERSION, &head, body, |out| {
+            for l in &self.layers {
+                out.extend(l.window.iter().flat_map(|v| v.to_le_bytes()));
+                out.extend(l.pending_kv.iter().flat_map(|v| v.to_le_bytes()));
+                out.extend(l.pending_gate.iter().flat_map(|v| v.to_le_bytes()));
+            }
+        })
     }
 
     /// Parse carry-state bytes, every length checked against the bytes present; not yet checked
     /// against a model ([`Self::check`]).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         let framing = |r: String| err(CarryField::Framing, r);
-        if bytes.len() < 16 || &bytes[..4] != MAGIC {
-            return Err(framing("not a pd-bridge DeepSeek-V4.1 carry state (bad magic or too short)".into()));
-        }
-        let version = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
-        if version != V41_CARRY_VERSION {
-            return Err(framing(format!("version {version}; this build reads version {V41_CARRY_VERSION}")));
-        }
-        let (payload, crc) = bytes.split_at(bytes.len() - 4);
-        if crc32fast::hash(payload).to_le_bytes() != crc {
-            return Err(framing("checksum mismatch: the bytes were damaged".into()));
-        }
-        let n = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes")) as usize;
-        let head = payload.get(12..12 + n).ok_or_else(|| framing(format!("header of {n} bytes overruns the payload")))?;
+        let (head, mut body) = unframe(bytes, MAGIC, V41_CARRY_VERSION, "DeepSeek-V4.1 carry state")?;
         let h: Header = serde_json::from_slice(head).map_err(|e| framing(format!("header: {e}")))?;
-        let mut body = &payload[12 + n..];
         let mut take = |values: u64, width: usize| -> Result<&[u8]> {
             let len = usize::try_from(values).ok().and_then(|v| v.checked_mul(width)).filter(|&b| b <= body.len());
             let len = len.ok_or_else(|| framing(format!("an array of {values} values overruns the payload ({} bytes left)", body.len())))?;
@@ -155,6 +133,7 @@ impl V41Carry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CoreError;
 
     #[test]
     fn bytes_round_trip_and_damage_is_refused() {

@@ -26,6 +26,7 @@ use super::numerics::{fake_quant_fp4, fake_quant_fp8_bf16, linear_f32, rms_norm_
 use super::plan::V41Plan;
 use super::weights::{V41LayerWeights, V41PoolWeights, V41Weights};
 use crate::error::{CoreError, Result};
+use crate::pooler::chunk;
 use crate::numerics::{linear, rms_norm_rows, round_bf16, softmax_row};
 
 /// The values of one state array.
@@ -366,22 +367,9 @@ impl V41CacheBuilder {
         let n = self.layers.len();
         let origin = self.origin;
         let state = self.layers.get_mut(layer).ok_or_else(|| CoreError::input(layer, format!("the model has {n} layers")))?;
-        if x.is_empty() || x.len() % hidden != 0 {
-            return Err(CoreError::input(layer, format!("{} values is not a positive whole number of rows of width {hidden}", x.len())));
-        }
-        let (start, x) = if start < origin {
-            let skip = (origin - start).min(x.len() / hidden);
-            if skip * hidden == x.len() {
-                return Ok(());
-            }
-            (origin, &x[skip * hidden..])
-        } else {
-            (start, x)
+        let Some((start, x)) = chunk::admit(layer, hidden, origin, state.processed(), start, x)? else {
+            return Ok(());
         };
-        let processed = state.processed();
-        if start != processed {
-            return Err(CoreError::input(layer, format!("chunk starts at token {start} but {processed} tokens are processed")));
-        }
         state.feed(&self.weights.layers[layer], start, x.len() / hidden, x);
         Ok(())
     }
