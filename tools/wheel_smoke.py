@@ -309,7 +309,7 @@ def run(out: Path, cmd: list[str]) -> int:
             writer = po.BlockWriter(str(cache), "tiny-" + model, block, ids, fmt, str(models[model]))
             arrived = []
             blocks, verdict = po.ingest("127.0.0.1", port, TOKEN, "req-" + case, w.fingerprint, writer, 600.0,
-                                        on_block=arrived.append, secret=SECRET, token_ids=ids)
+                                        on_block=lambda b: arrived.append(b.index), secret=SECRET, token_ids=ids)
             writer.flush()
             by_hash = {}
             for p in sorted(cache.rglob("*.safetensors")):

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::block::BlockWriter;
+use crate::block::{BlockWriter, Landed};
 use crate::error::{CoreError, Result};
 use crate::wire::secure;
 use crate::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, PromptDigest, Seal, SegmentReader};
@@ -96,9 +96,10 @@ fn connect_any(addrs: &[SocketAddr], timeout: Duration) -> Result<TcpStream> {
 }
 
 /// Decode side: receive the capture's segments, write each block with `writer` as it arrives
-/// (flushed before `on_block(index)` is called), and stop at the seal. A broken stream keeps
+/// (flushed and validated once under its final name before `on_block` gets its [`Landed`]:
+/// index, path, hash and the validator's verdict), and stop at the seal. A broken stream keeps
 /// every block already written: each is whole and verified.
-pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mut on_block: impl FnMut(usize)) -> Ingested {
+pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mut on_block: impl FnMut(&Landed)) -> Ingested {
     let mut blocks = 0usize;
     let outcome = (|| -> Result<Seal> {
         control.check()?;
@@ -119,11 +120,12 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
                     control.check()?;
                     // The writer's one entry point: checked against the plan and the block grid
                     // before anything is written.
-                    writer.write_segment(&seg)?;
+                    let written = writer.write_segment(&seg)?;
                     let index = seg.header.index as usize;
                     writer.flush()?;
+                    let landed = writer.landed(index, written)?;
                     blocks += 1;
-                    on_block(index);
+                    on_block(&landed);
                 }
                 Event::Seal(seal) => return Ok(seal),
             }

@@ -438,7 +438,7 @@ fn resumed_capture_ingests_over_tcp() {
         timeout: std::time::Duration::from_secs(20),
     };
     let mut got = Vec::new();
-    let done = ingest(&pull, &writer, &IngestControl::default(), |i| got.push(i));
+    let done = ingest(&pull, &writer, &IngestControl::default(), |b| got.push(b.index));
     producer.join().unwrap();
     assert_eq!(done.outcome.unwrap(), Seal::Complete { blocks: 5, tokens: 640 });
     assert_eq!(got, vec![2, 3, 4]);

@@ -23,7 +23,7 @@ fn secret() -> CaptureSecret {
 }
 
 /// Pull "req" (or `id`) from `server` with `token` and the test secret, for `tokens`.
-fn pull(server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, tokens: &[u32], writer: &BlockWriter, timeout: Duration, control: &IngestControl, on_block: impl FnMut(usize)) -> Ingested {
+fn pull(server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, tokens: &[u32], writer: &BlockWriter, timeout: Duration, control: &IngestControl, on_block: impl FnMut(&pd_bridge_core::block::Landed)) -> Ingested {
     let s = secret();
     let p = Pull {
         addrs: vec![server.local_addr()],
@@ -84,10 +84,23 @@ fn streamed_blocks_arrive_whole_and_in_order() {
     let dir = temp_dir("ingest");
     let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
     let mut order = Vec::new();
-    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(20), &IngestControl::default(), |i| order.push(i));
+    let mut landed = Vec::new();
+    let got = pull(&server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(20), &IngestControl::default(), |b| {
+        order.push(b.index);
+        landed.push(b.clone());
+    });
     producer.join().unwrap();
     assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 5, tokens: 5 * BLOCK as u64 });
     assert_eq!(order, vec![0, 1, 2, 3, 4]);
+    // Each block arrives with its path, hash and the validator's verdict on the file as it lies.
+    for b in &landed {
+        assert_eq!(b.hash, *writer.hash(b.index).unwrap());
+        assert_eq!(b.path, pd_bridge_core::block::block_path(&dir, &b.hash));
+        assert!(!b.existed);
+        let info = b.check.as_ref().expect("a block the writer wrote validates");
+        assert_eq!((info.hash, info.token_count, info.model_name.as_str()), (b.hash, BLOCK, "/m"));
+        assert_eq!(info.file_size, std::fs::metadata(&b.path).unwrap().len());
+    }
 
     // The same blocks as a direct write from a full cache.
     let direct = temp_dir("direct");

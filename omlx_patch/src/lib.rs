@@ -304,6 +304,48 @@ fn carry_state<'py>(py: Python<'py>, weights: &Weights, path: std::path::PathBuf
     })
 }
 
+/// One block `ingest` wrote and flushed under its final name, validated once by the core
+/// against the writer's format, model name, block size, cache directory and plan: what the
+/// decode host needs to put it into oMLX's index without reading or checking it again.
+#[pyclass(frozen, module = "pd_bridge_omlx._native")]
+struct LandedBlock {
+    /// The block's index in the prompt's chain.
+    #[pyo3(get)]
+    index: usize,
+    /// Its chain hash, hex (the file's name).
+    #[pyo3(get)]
+    hash_hex: String,
+    /// `<cache>/<hash[0]>/<hash>.safetensors`.
+    #[pyo3(get)]
+    path: std::path::PathBuf,
+    /// Already on disk (a sound block of this prompt, left as it was) rather than written now.
+    #[pyo3(get)]
+    existed: bool,
+    /// The file's size when it validated, else None.
+    #[pyo3(get)]
+    file_size: Option<u64>,
+    /// Why it must not be served (`"<path>: <reason>"`, as `inspect_block` says it), else None.
+    #[pyo3(get)]
+    rejected: Option<String>,
+}
+
+#[pymethods]
+impl LandedBlock {
+    fn __repr__(&self) -> PyResult<String> {
+        guard(|| Ok(format!("LandedBlock(index={}, hash_hex={:?}, existed={}, file_size={:?}, rejected={:?})", self.index, self.hash_hex, self.existed, self.file_size, self.rejected)))
+    }
+}
+
+impl LandedBlock {
+    fn of(b: &pd_bridge_core::block::Landed) -> Self {
+        let (file_size, rejected) = match &b.check {
+            Ok(info) => (Some(info.file_size), None),
+            Err(why) => (None, Some(format!("{}: {why}", b.path.display()))),
+        };
+        LandedBlock { index: b.index, hash_hex: b.hash.hex(), path: b.path.clone(), existed: b.existed, file_size, rejected }
+    }
+}
+
 /// Stops an `ingest` running on another thread (`cancel()`); blocks already written stay.
 #[pyclass(frozen, module = "pd_bridge_omlx._native")]
 #[derive(Default)]
@@ -346,7 +388,8 @@ fn capture_secret() -> PyResult<String> {
 }
 
 /// Receive `request_id`'s segments from the prefill host at `host:port`, writing each block with
-/// `writer` as it arrives; `on_block(index)` is called once a block is on disk. The stream is
+/// `writer` as it arrives; `on_block(block)` gets each block's `LandedBlock` once it is on disk
+/// under its final name and validated (its path, hash and the validator's verdict). The stream is
 /// encrypted and both sides prove the capture's key, derived from `token`, `secret` (the one sent
 /// in `pd_capture.secret`), the capture id, `fingerprint` and `token_ids` (the prompt exactly as
 /// sent to vLLM): a prefill host that cannot is refused before a byte of cache is accepted.
@@ -395,10 +438,11 @@ fn ingest(
             timeout,
         };
         let got = py.detach(|| span.in_scope(|| {
-            pd_bridge_core::ingest::ingest(&pull, w, control_ref, |i| {
+            pd_bridge_core::ingest::ingest(&pull, w, control_ref, |landed| {
                 if let Some(cb) = &on_block {
+                    let block = LandedBlock::of(landed);
                     Python::attach(|py| {
-                        if let Err(e) = cb.call1(py, (i,)) {
+                        if let Err(e) = cb.call1(py, (block,)) {
                             e.print(py);
                         }
                     });
@@ -415,7 +459,7 @@ fn ingest(
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{capture_secret, carry_state, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, BlockRejected, BlockWriter, CacheBuilder, Weights};
+    use super::{capture_secret, carry_state, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, LandedBlock, BlockRejected, BlockWriter, CacheBuilder, Weights};
 
     #[pymodule_export]
     use super::v41::{V41CacheBuilder, V41Weights};

@@ -269,11 +269,18 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
         producer = threading.Thread(target=prefill)
         producer.start()
         writer = pd_bridge_omlx.BlockWriter(str(cache), s.cache_model_name, native.block_size, native.ids, OMLX.omlx_format)
-        arrived = []
+        landed = []
         blocks, verdict = pd_bridge_omlx.ingest(
             "127.0.0.1", server.port, b"shared-secret", "req-1", pd_bridge_omlx.Weights.load(str(model_dir)).fingerprint,
-            writer, on_block=arrived.append, secret=secret, token_ids=list(native.ids),
+            writer, on_block=landed.append, secret=secret, token_ids=list(native.ids),
         )
+        arrived = [b.index for b in landed]
+        # Each block is handed over once, with its path and the validator's verdict on the file
+        # as it lies: what the bridge registers it from, without recomputing or re-reading.
+        for b in landed:
+            assert b.hash_hex == writer.hash_hex(b.index) and not b.existed and b.rejected is None
+            assert Path(b.path) == cache / b.hash_hex[0] / f"{b.hash_hex}.safetensors"
+            assert b.file_size == Path(b.path).stat().st_size
         producer.join()
         registered = rescan(s)["registered"]
         r = omlx_server.complete(s.base_url, s.model, native.text, 8)

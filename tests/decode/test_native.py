@@ -108,16 +108,16 @@ def test_feed_rejections(models):
     assert issubclass(InputError, PdBridgeError) and issubclass(WeightsError, PdBridgeError)
 
 
-def test_adapter_refuses_an_unsupported_omlx(monkeypatch):
+def test_hooks_refuse_an_unsupported_omlx(monkeypatch):
     """The installed oMLX is told apart by the distribution that ships it, not by its version
     string (the fork calls itself 0.7.0); anything else is refused naming what is supported."""
     import omlx
 
-    from pd_bridge_omlx import adapter, versions
+    from pd_bridge_omlx import hooks, versions
 
     found = versions.installed_distributions()
     entry = versions.match(found)
-    assert adapter.check_version() == entry.describe()
+    assert hooks.check_version() == entry.describe()
     assert (entry.distribution, entry.key) in (("omlx", "upstream-0.6.3"), ("flyto-mlx", "fork-0.7.0")), found
     monkeypatch.setattr(omlx, "__version__", "0.9.1")  # the string alone changes nothing
     assert versions.match(found) is entry

@@ -88,7 +88,7 @@ def test_resumed_capture_continues_from_omlx_own_block(native, tmp_path):
         arrived = []
         blocks, verdict = pd_bridge_omlx.ingest(
             "127.0.0.1", server.port, b"shared-secret", "req-r", decoder.fingerprint,
-            writer, on_block=arrived.append, secret=secret, token_ids=list(native.ids),
+            writer, on_block=lambda b: arrived.append(b.index), secret=secret, token_ids=list(native.ids),
         )
         producer.join()
         registered = rescan(srv)["registered"]

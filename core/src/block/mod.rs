@@ -12,4 +12,4 @@ pub mod validate;
 pub mod writer;
 
 pub use chain::{block_hash, chain, ChainHash};
-pub use writer::{block_path, BlockWriter, Written};
+pub use writer::{block_path, BlockWriter, Landed, Written};

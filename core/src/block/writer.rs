@@ -19,7 +19,7 @@ use super::chain::{chain, ChainHash};
 use super::file::{clean_stale_temps, write_pending, Tensor};
 use super::layout::{block_contents, contents};
 use super::spec::StoreSpec;
-use super::validate::{inspect_with, move_aside, Expect, RejectKind};
+use super::validate::{inspect_with, move_aside, BlockInfo, Expect, RejectKind, Rejection};
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
 use crate::family;
@@ -61,6 +61,22 @@ pub struct Written {
     pub bytes: u64,
     /// The block already existed and was left as it was (blocks are immutable once named).
     pub existed: bool,
+    /// The existing file's validation, when the writer validated it to keep it.
+    checked: Option<BlockInfo>,
+}
+
+/// One block on disk under its final name, validated once: what the decode host needs to put
+/// it into oMLX's index without reading or checking it again ([`BlockWriter::landed`]).
+#[derive(Debug, Clone)]
+pub struct Landed {
+    pub index: usize,
+    pub hash: ChainHash,
+    pub path: PathBuf,
+    /// Already on disk before this writer (left as it was), or written by it.
+    pub existed: bool,
+    /// The validator's verdict on the file as it lies under its final name, against the
+    /// writer's format, model name, block size, cache directory and plan (when it has one).
+    pub check: std::result::Result<BlockInfo, Rejection>,
 }
 
 pub struct BlockWriter {
@@ -259,7 +275,7 @@ impl BlockWriter {
         // Blocks are immutable once named: an existing (or in-flight) one is never rewritten.
         let in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|(p, _)| *p == path);
         if in_flight {
-            return Ok((hash, path.clone(), Some(Written { path, bytes: 0, existed: true })));
+            return Ok((hash, path.clone(), Some(Written { path, bytes: 0, existed: true, checked: None })));
         }
         // A linked block subdirectory would put the block (and what is read back) elsewhere.
         if let (Some(dir), Ok(cache)) = (path.parent(), std::fs::canonicalize(&self.cache_dir)) {
@@ -275,9 +291,8 @@ impl BlockWriter {
         }
         // Something is on the name: keep it only if it is this block, sound; else move it aside
         // (the name is this prompt's, so nothing else may sit there) and write the block.
-        let expect = Expect { format: self.format, model_name: Some(self.model_name.clone()), num_layers: self.plan.as_ref().map(ModelPlan::num_layers), block_size: Some(self.block_size) };
-        match inspect_with(&path, &expect, self.plan.as_ref(), Some(&self.cache_dir)) {
-            Ok(info) => Ok((hash, path.clone(), Some(Written { path, bytes: info.file_size, existed: true }))),
+        match inspect_with(&path, &self.expect(), self.plan.as_ref(), Some(&self.cache_dir)) {
+            Ok(info) => Ok((hash, path.clone(), Some(Written { path, bytes: info.file_size, existed: true, checked: Some(info) }))),
             Err(why) if matches!(why.kind, RejectKind::Outside | RejectKind::Unreadable) => {
                 Err(CoreError::io(&path, std::io::Error::other(format!("cannot write block {index}: {why}"))))
             }
@@ -302,7 +317,26 @@ impl BlockWriter {
         let bytes = pending.size();
         *slot = Some((path.clone(), std::thread::spawn(move || pending.commit())));
         tracing::debug!(block = index, hash = %hash.hex(), bytes, "block written");
-        Ok(Written { path, bytes, existed: false })
+        Ok(Written { path, bytes, existed: false, checked: None })
+    }
+
+    /// What a file on one of this writer's block names must be: its format, model, layer count
+    /// (with a plan) and block size.
+    fn expect(&self) -> Expect {
+        Expect { format: self.format, model_name: Some(self.model_name.clone()), num_layers: self.plan.as_ref().map(ModelPlan::num_layers), block_size: Some(self.block_size) }
+    }
+
+    /// Block `index`, once `written` is flushed under its final name: the file validated exactly
+    /// once (an existing file this writer already validated to keep it is not read again), with
+    /// its path and hash. Call after [`Self::flush`]; the decode host registers the block with
+    /// oMLX from this, refusing it when `check` is a rejection.
+    pub fn landed(&self, index: usize, written: Written) -> Result<Landed> {
+        let hash = *self.chain.get(index).ok_or_else(|| CoreError::input(0, format!("block {index} is not a full block of this prompt ({} blocks)", self.chain.len())))?;
+        let check = match written.checked {
+            Some(info) => Ok(info),
+            None => inspect_with(&written.path, &self.expect(), self.plan.as_ref(), Some(&self.cache_dir)),
+        };
+        Ok(Landed { index, hash, path: written.path, existed: written.existed, check })
     }
 
     /// Wait until every written block is flushed and renamed into place (visible to oMLX).

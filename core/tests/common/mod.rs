@@ -162,7 +162,7 @@ pub fn pull(
     block: usize,
     timeout: std::time::Duration,
     control: &pd_bridge_core::ingest::IngestControl,
-    on_block: impl FnMut(usize),
+    on_block: impl FnMut(&pd_bridge_core::block::Landed),
 ) -> pd_bridge_core::ingest::Ingested {
     let p = pd_bridge_core::ingest::Pull {
         addrs: vec![server.local_addr()],

@@ -1,6 +1,6 @@
 """Imported at interpreter start by ``pd_bridge_omlx_autoload.pth`` only when ``PD_BRIDGE_OMLX`` is set.
 
-Installs the adapter right after oMLX imports the modules it changes, so it is in place before
+Installs the hooks (``hooks.py``) right after oMLX imports the modules it changes, so it is in place before
 oMLX builds its cache index or starts serving. Costs nothing in processes that never import
 oMLX.
 """
@@ -27,7 +27,7 @@ logger = logging.getLogger("pd_bridge_omlx")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs the adapter hook once the named module has executed."""
+    """Runs the hook once the named module has executed."""
 
     def find_spec(self, name, path=None, target=None):
         hook = _HOOKS.get(name)
@@ -41,9 +41,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original_exec(module)
-            from . import adapter
+            from . import hooks
 
-            getattr(adapter, hook)()
+            getattr(hooks, hook)()
 
         loader.exec_module = exec_module
         return spec

@@ -6,6 +6,7 @@ lives in the core.
 
 from collections.abc import Callable
 from os import PathLike
+from pathlib import Path
 
 from typing_extensions import Buffer
 
@@ -172,6 +173,32 @@ class BlockWriter:
         """Write block ``index`` from ``builder``, whose layers must have processed exactly the
         block's end; returns ``(path, bytes, existed)``. The flush finishes in the background."""
 
+class LandedBlock:
+    """One block ``ingest`` wrote and flushed under its final name, validated once by the core
+    (against the writer's format, model name, block size, cache directory and, with a
+    ``model_dir``, the decoder's plan): what the decode host needs to put it into oMLX's index
+    without recomputing its path or reading and checking the file again."""
+
+    @property
+    def index(self) -> int:
+        """The block's index in the prompt's chain."""
+    @property
+    def hash_hex(self) -> str:
+        """Its chain hash, hex (the file's name)."""
+    @property
+    def path(self) -> Path:
+        """``<cache>/<hash[0]>/<hash>.safetensors``."""
+    @property
+    def existed(self) -> bool:
+        """Already on disk (a sound block of this prompt, left as it was), not written now."""
+    @property
+    def file_size(self) -> int | None:
+        """The file's size when it validated, else None."""
+    @property
+    def rejected(self) -> str | None:
+        """Why it must not be served (``"<path>: <reason>"``, as ``inspect_block`` raises it),
+        else None."""
+
 class IngestControl:
     """Stops an ``ingest`` running on another thread; blocks already written stay."""
 
@@ -229,14 +256,15 @@ def ingest(
     fingerprint: str,
     writer: BlockWriter,
     timeout_seconds: float = 60.0,
-    on_block: Callable[[int], object] | None = None,
+    on_block: Callable[[LandedBlock], object] | None = None,
     control: IngestControl | None = None,
     *,
     secret: str,
     token_ids: list[int],
 ) -> tuple[int, str]:
     """Receive ``request_id``'s segments from the prefill host at ``host:port``, writing each
-    block with ``writer`` as it arrives; ``on_block(index)`` is called once a block is on disk.
+    block with ``writer`` as it arrives; ``on_block(block)`` gets each block's ``LandedBlock``
+    once it is on disk under its final name and validated (path, hash, the validator's verdict).
     The stream is encrypted (wire version 2) and both sides prove the capture's key, derived from
     ``token``, ``secret`` (as sent in ``pd_capture.secret``), ``request_id``, ``fingerprint`` and
     ``token_ids`` (the prompt exactly as sent to vLLM): a prefill host that cannot is refused

@@ -1,5 +1,9 @@
 """The decode-side bridge: decide, ask the prefill host, ingest, register, continue.
 
+The orchestration in the middle of the decode side's one-way chain: ``hooks`` (oMLX's objects)
+call it; it hands each block the Rust writer wrote and validated to ``store``, which puts it into
+oMLX's index. It never imports the hooks.
+
 Runs inside oMLX, in its engine's ``add_request``: the point where the prompt is final and the
 scheduler has not looked at the prefix cache yet. For a cold long prompt it asks vLLM to prefill
 the token ids (``/v1/completions``, ``max_tokens: 1``, the capture named in
@@ -34,9 +38,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from . import config as config_mod
-from . import versions
-from ._native import BlockRejected, BlockWriter, IngestControl, PdBridgeError, Weights, capture_secret, carry_state, ingest
-from .adapter import index_lock, register_block
+from . import store, versions
+from ._native import BlockRejected, BlockWriter, IngestControl, LandedBlock, PdBridgeError, Weights, capture_secret, carry_state, ingest
 from .verdict import Verdict, native
 
 logger = logging.getLogger("pd_bridge_omlx")
@@ -432,8 +435,7 @@ class Bridge:
         if weights is None:
             raise PdBridgeError(f"decoder weights in {model_dir} are not loaded")
         for k in range(held, 0, -1):
-            h = writer.hash_hex(k - 1)
-            path = cache_dir / h[0] / f"{h}.safetensors"
+            path = store.block_path(cache_dir, writer.hash_hex(k - 1))
             # oMLX may hold its latest blocks in memory only (not yet on its SSD cache): resume
             # at the last one that is on disk.
             if path.exists():
@@ -469,29 +471,27 @@ class Bridge:
         problems: list[str] = []
         nbytes = 0
 
-        def on_block(index: int) -> None:
+        def on_block(block: LandedBlock) -> None:
+            # The writer hands over each block once, on disk under its final name and validated
+            # by the core (its path, hash and the validator's verdict): registered from that.
             nonlocal nbytes
             if control.cancelled or problems:
                 return
+            index = block.index
             if index != first + len(registered):
                 # Only an unbroken chain from the first block streamed is useful: stop the rest.
                 problems.append(f"block {index} arrived where block {first + len(registered)} was due")
                 control.cancel()
                 return
-            h = writer.hash_hex(index)
-            path = cache_dir / h[0] / f"{h}.safetensors"
             try:
-                with index_lock:
-                    size = register_block(ssd, path, model_name, block_size)
+                size = store.register_landed(ssd, block)
             except (BlockRejected, OSError) as e:
                 # oMLX would not serve this block (nor so the ones after it): stop the stream, and
                 # take the file off the disk, where oMLX's index would never count or evict it.
                 problems.append(f"block {index} not registered: {e}")
                 logger.warning("pd-bridge[%s]: %s; stopping the stream", request_id, problems[-1])
                 control.cancel()
-                with index_lock:
-                    if not ssd._index.contains(bytes.fromhex(h)):
-                        path.unlink(missing_ok=True)
+                store.drop_unindexed(ssd, block)
                 return
             nbytes += size or 0
             registered.append(index)

@@ -4,7 +4,7 @@ Each supported oMLX is one ``OmlxVersion`` entry: the distribution that ships it
 ``importlib.metadata``, never by the version string: the PyPI fork ``flyto-mlx`` 0.7.0 carries
 upstream oMLX 0.3.9.dev1 under the version "0.7.0"), the block-format descriptor the Rust core
 writes and validates for it (``core/src/format.rs``, passed by name), and the hook points the
-adapter wraps. Supporting another oMLX release is one more entry here and, when its block
+hooks wrap (``hooks.py``). Supporting another oMLX release is one more entry here and, when its block
 format changed, one more ``OmlxFormat`` variant in the core.
 
 Protocol details (format version, metadata keys, cache signature, payload layout, DeepSeek-V4
@@ -29,13 +29,13 @@ from importlib import metadata
 
 @dataclass(frozen=True)
 class OmlxVersion:
-    """One supported oMLX: how to recognise it, its block format, where the adapter hooks."""
+    """One supported oMLX: how to recognise it, its block format, where the hooks wrap."""
 
     key: str
     distribution: str  # the importlib.metadata distribution that provides the `omlx` package
     versions: tuple[str, ...]  # the distribution versions accepted
     omlx_format: str  # the core's OmlxFormat name (pd_bridge_omlx.omlx_formats())
-    # Hook points: (module, class, attribute) the adapter wraps.
+    # Hook points: (module, class, attribute) the hooks wrap.
     block_reader: tuple[str, str, str]  # reads one block file's metadata for the index
     request_entry: tuple[str, str, str]  # where a request enters the engine (the bridge runs first)
     prefix_lookup: tuple[str, str, str]  # where the scheduler looks the prompt up in the prefix cache

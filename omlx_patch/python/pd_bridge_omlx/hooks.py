@@ -1,7 +1,10 @@
-"""Runtime adapter for oMLX: block validation at index time and a rescan route.
+"""The hooks into oMLX's objects: block validation at index time, the bridge, routes.
+
+The top of the decode side's one-way chain: ``hooks`` (oMLX's objects) → ``bridge`` (the
+orchestration) → ``store`` (oMLX's cache index). Nothing imports this module but ``_autoload``.
 
 oMLX builds its prefix-cache index once, when a model loads, and trusts every file it finds.
-This adapter (active only with ``PD_BRIDGE_OMLX=1``) makes these changes through oMLX's own
+These hooks (active only with ``PD_BRIDGE_OMLX=1``) make these changes through oMLX's own
 objects, without touching its files:
 
 - every block file is validated by the Rust core before oMLX may index it (never following a
@@ -27,26 +30,19 @@ import logging
 import threading
 from pathlib import Path
 
-from . import versions
-from ._native import BlockRejected, ConfigError, clean_stale_temps, inspect_block
+from . import store, versions
+from ._native import BlockRejected
 from .versions import UnsupportedOmlxError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("pd_bridge_omlx")
 
 _lock = threading.Lock()
-# Serialises our additions to oMLX's SSD index (rescan, the bridge's ingest threads).
-index_lock = threading.Lock()
 _installed = {"cache": False, "server": False, "engine": False}
 
 
 def check_version() -> str:
     """The installed oMLX's description; ``UnsupportedOmlxError`` unless it is in the table."""
     return versions.detect().describe()
-
-
-def omlx_format() -> str:
-    """The core's block-format name for the installed oMLX."""
-    return versions.detect().omlx_format
 
 
 def _hook(point: tuple[str, str, str]):
@@ -69,16 +65,7 @@ def install_cache_guard() -> None:
 
         def guarded(self, file_path):
             try:
-                _, _, _, model_name, _ = inspect_block(str(file_path), omlx_format=fmt)
-                # Then every tensor's dtype and shape against the plan of the model the block
-                # names (oMLX's own check then keeps out a block of a model it did not load).
-                model_dir = model_dir_for(model_name)
-                if model_dir is not None:
-                    try:
-                        inspect_block(str(file_path), omlx_format=fmt, model_dir=model_dir)
-                    except (ConfigError, OSError) as e:  # a model the core has no plan for
-                        logger.info("pd-bridge: blocks of %s are checked without tensor shapes: %s", model_name, e)
-                        _model_dirs[model_name] = None
+                store.check_before_read(file_path, fmt)
             except BlockRejected as e:
                 logger.warning("pd-bridge: not serving block %s", e)
                 return None
@@ -89,46 +76,6 @@ def install_cache_guard() -> None:
         _install_temp_sweep(owner)
         _installed["cache"] = True
         logger.info("pd-bridge: block validation active for oMLX %s", check_version())
-
-
-_model_dirs: dict[str, str | None] = {}
-
-
-def model_dir_for(model_name: str) -> str | None:
-    """The directory of the model a block names, whose config.json gives the plan its tensors
-    are checked against: the name itself where oMLX keys blocks by the model's path (the fork),
-    else ``<--model-dir>/<id>`` of this ``omlx serve`` (upstream keys blocks by the model id).
-    None when neither holds a config.json (then names and framing only)."""
-    if model_name in _model_dirs:
-        return _model_dirs[model_name]
-    import sys
-
-    candidates = [Path(model_name)]
-    argv = sys.argv
-    for i, a in enumerate(argv):
-        root = argv[i + 1] if a == "--model-dir" and i + 1 < len(argv) else (a.split("=", 1)[1] if a.startswith("--model-dir=") else None)
-        if root:
-            candidates.append(Path(root).expanduser().resolve() / model_name)
-    found = None
-    for c in candidates:
-        try:
-            if c.is_absolute() and (c / "config.json").is_file():
-                found = str(c)
-                break
-        except (OSError, ValueError):
-            continue
-    _model_dirs[model_name] = found
-    return found
-
-
-def _sweep_temps(cache_dir) -> None:
-    try:
-        removed = clean_stale_temps(str(cache_dir))
-    except Exception:  # never fail oMLX's cache start-up
-        logger.exception("pd-bridge: sweeping stale temp files in %s failed", cache_dir)
-        return
-    for path in removed:
-        logger.info("pd-bridge: removed stale block temp file %s", path)
 
 
 def _install_temp_sweep(owner) -> None:
@@ -142,7 +89,7 @@ def _install_temp_sweep(owner) -> None:
     def init_directories(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         if getattr(self, "_cache_dir", None):
-            _sweep_temps(self._cache_dir)
+            store.sweep_temps(self._cache_dir)
         return out
 
     init_directories.__wrapped__ = original
@@ -302,77 +249,6 @@ def install_bridge() -> None:
         logger.info("pd-bridge: decode-side bridge active (%s)", get_bridge().describe())
 
 
-def register_block(manager, path: Path, model_name: str | None, block_size: int | None, model_dir: str | None = None, move_bad: bool = False) -> int | None:
-    """Put one block file into oMLX's SSD index, validated first (against the installed oMLX's
-    block format, the model and block size when given, and with ``model_dir`` every tensor's
-    dtype and shape against the decoder's plan) and, where this oMLX has one, passed through
-    its own compatibility check (upstream's cache signature). Returns its size, or None when
-    oMLX already knew it. Raises ``BlockRejected`` when it must not be served; ``move_bad``: a
-    link, FIFO, directory or corrupt file on the name is moved into the quarantine first."""
-    try:
-        digest = bytes.fromhex(path.stem)
-    except ValueError:
-        digest = None
-    if digest is not None and manager._index.contains(digest):
-        return None
-    inspect_block(str(path), model_name=model_name, block_size=block_size, omlx_format=omlx_format(), model_dir=model_dir,
-                  cache_dir=str(manager._cache_dir), move_bad=move_bad)  # fmt: skip
-    # Validated just above with the stricter expectations: read the metadata with oMLX's own
-    # reader, not through the guard that would validate the file a second time.
-    read = type(manager)._read_file_metadata
-    meta = getattr(read, "__wrapped__", read)(manager, path)
-    if meta is None:
-        raise BlockRejected(f"{path}: oMLX could not read its metadata")
-    compatible = getattr(manager, "_is_compatible_block", None)
-    if compatible is not None and not compatible(meta):
-        why = None
-        reason = getattr(manager, "signature_mismatch_reason", None)
-        if reason is not None:
-            why = reason(getattr(meta, "cache_signature", ""))
-        raise BlockRejected(f"{path}: oMLX's compatibility check refuses it ({why or 'model, layer count, block size or layer types differ from the loaded model'})")
-    manager._enforce_size_limit_for_new_block()
-    incompatible = getattr(manager, "_incompatible_index", None)
-    if incompatible is not None and digest is not None:
-        incompatible.remove(digest)
-    manager._index.add(meta)
-    return meta.file_size
-
-
-def rescan(manager, model_name: str | None = None, block_size: int | None = None, model_dir: str | None = None) -> dict:
-    """Index block files in ``manager``'s cache directory that it does not know yet.
-
-    Each is validated (and, when given, checked against the model, block size and the plan of
-    the decoder in ``model_dir``) first, without following links or opening FIFOs. A file that
-    can never be a block (a link, FIFO, directory, corrupt or misshapen file) is moved into the
-    cache's quarantine directory, so the bridge can write the real block on its name; a sound
-    block of another model is left alone. Stale writer temp files are swept first.
-    Returns ``{"registered": [...], "rejected": [[path, reason], ...], "known": n}``.
-    """
-    registered, rejected, known = [], [], 0
-    root = Path(manager._cache_dir)
-    _sweep_temps(root)
-    for sub in manager.SUBDIR_CHARS:
-        for path in sorted((root / sub).glob("*.safetensors")):
-            try:
-                with index_lock:
-                    try:
-                        size = register_block(manager, path, model_name, block_size, model_dir=model_dir, move_bad=True)
-                    except ConfigError as e:  # a model the core has no plan for: names and framing only
-                        logger.warning("pd-bridge: rescan checks no tensor shapes: %s", e)
-                        model_dir = None
-                        size = register_block(manager, path, model_name, block_size, move_bad=True)
-            except BlockRejected as e:
-                logger.warning("pd-bridge: not serving block %s", e)
-                rejected.append([str(path), str(e)])
-                continue
-            if size is None:
-                known += 1
-            else:
-                registered.append(path.stem)
-    logger.info("pd-bridge: rescan registered %d blocks, rejected %d, %d already known", len(registered), len(rejected), known)
-    return {"registered": registered, "rejected": rejected, "known": known}
-
-
 def _manager_for(model_id: str):
     from omlx.server import get_server_state
 
@@ -413,7 +289,7 @@ def install_routes() -> None:
             if manager is None:
                 raise HTTPException(status_code=409, detail=f"model {model_id!r} has no SSD prefix cache (start oMLX with --paged-ssd-cache-dir)")
             model_dir = getattr(entry, "model_path", None)
-            return rescan(manager, model_name=cache_model_name(entry, scheduler), block_size=scheduler.config.paged_cache_block_size,
+            return store.rescan(manager, model_name=cache_model_name(entry, scheduler), block_size=scheduler.config.paged_cache_block_size,
                           model_dir=str(model_dir) if model_dir and (Path(model_dir) / "config.json").is_file() else None)  # fmt: skip
 
         def status_route():
