@@ -9,7 +9,8 @@ use half::bf16;
 
 use super::dev::{ck, err, Args, DevBuf, Event, GpuDevice, Stream};
 use super::{DeviceTensor, GemmMode};
-use crate::error::{CoreError, Result};
+use crate::options::CaptureOptions;
+use crate::error::{CoreError, DeviceFailure, Result};
 use crate::pooler::carry::{CarryState, LayerCarry};
 use crate::numerics::{round_bf16, Rope};
 use crate::plan::{ModelPlan, V4LayerKind};
@@ -349,24 +350,19 @@ impl Drop for GpuCache {
     }
 }
 
-/// Post streams when `PD_BRIDGE_GPU_POST_STREAMS` is unset. On the H200 (DeepSeek-V4-Flash
-/// shapes, 2048-token chunks) 1 stream gave 49% of the GEMM roofline, 4 gave 56%, 8 gave 58%
-/// at high priority and 60–61% at normal priority.
-const DEFAULT_POST_STREAMS: usize = 8;
-
 impl GpuCache {
-    pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, mode: GemmMode) -> Result<Self> {
-        // PD_BRIDGE_GPU_SLOTS: projection-output slots (at least one more than the post streams;
-        // 16 instead of 9 measured no faster on the H200).
-        let nposts = std::env::var("PD_BRIDGE_GPU_POST_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(DEFAULT_POST_STREAMS).clamp(1, 8);
+    /// A cache on `model`'s device with `options`' GEMM mode, post streams, slots and stream
+    /// priority (see [`CaptureOptions`]).
+    pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, options: &CaptureOptions) -> Result<Self> {
+        let mode = options.gemm;
+        let nposts = options.post_streams_used();
         // A slot is reused only when the kernels that read it are done: one more slot than post
         // streams lets every post stream hold a layer while the GEMMs go on.
-        let slots = std::env::var("PD_BRIDGE_GPU_SLOTS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(2).max(nposts + 1);
+        let slots = options.slots_used();
         model.dev.bind()?;
         let stream = Stream::new()?;
-        // `PD_BRIDGE_GPU_POST_PRIORITY=1`: post streams at high priority (measured slower with
-        // several post streams: they then crowd out the GEMMs).
-        let high = std::env::var("PD_BRIDGE_GPU_POST_PRIORITY").is_ok_and(|v| v == "1");
+        // Post streams at high priority: measured slower with several (they crowd out the GEMMs).
+        let high = options.post_priority;
         let post = (0..nposts).map(|_| if high { Stream::high_priority() } else { Stream::new() }).collect::<Result<Vec<_>>>()?;
         let mut h = std::ptr::null_mut();
         let st = unsafe { cb::cublasCreate_v2(&mut h) };
@@ -480,7 +476,7 @@ impl GpuCache {
     pub(crate) fn resume_at(&mut self, carry: &CarryState) -> Result<bool> {
         let s = carry.position;
         if carry.layers.len() != self.layers.len() || self.layers.iter().any(|l| l.processed != 0) {
-            return Err(CoreError::config("cuda", format!("a carry state of {} layers cannot seed this cache of {} (or it was fed already)", carry.layers.len(), self.layers.len())));
+            return Err(CoreError::device(DeviceFailure::Capture, format!("a carry state of {} layers cannot seed this cache of {} (or it was fed already)", carry.layers.len(), self.layers.len())));
         }
         let carried = self.steps.overlap == Overlap::Carried;
         // Check everything before changing anything.
@@ -494,20 +490,20 @@ impl GpuCache {
                             return Ok(false);
                         }
                         if p.width != cd.od || p.pooled_rows != s / cd.ratio {
-                            return Err(CoreError::config("cuda", format!("layer {i}: the carry state's pool {ci} ({} rows of width {}) does not fit the GPU's ({} of width {})", p.pooled_rows, p.width, s / cd.ratio, cd.od)));
+                            return Err(CoreError::device(DeviceFailure::Capture, format!("layer {i}: the carry state's pool {ci} ({} rows of width {}) does not fit the GPU's ({} of width {})", p.pooled_rows, p.width, s / cd.ratio, cd.od)));
                         }
                         // The stash row of a token is its raw kv | gate, as the kernels read it.
                         if let (true, 4, Some([kv, gate])) = (carried, cd.ratio, &p.prev) {
                             let od = cd.od;
                             if kv.len() != 4 * od || gate.len() != 4 * od {
-                                return Err(CoreError::config("cuda", format!("layer {i}: the carried previous window is not 4 rows of width {od}")));
+                                return Err(CoreError::device(DeviceFailure::Capture, format!("layer {i}: the carried previous window is not 4 rows of width {od}")));
                             }
                             let rows: Vec<bf16> = (0..4).flat_map(|r| kv[r * od..(r + 1) * od].iter().chain(&gate[r * od..(r + 1) * od]).copied()).collect();
                             stashes.push((i, ci, rows));
                         }
                     }
                 }
-                _ => return Err(CoreError::config("cuda", format!("layer {i}: the carry state is for another kind of layer"))),
+                _ => return Err(CoreError::device(DeviceFailure::Capture, format!("layer {i}: the carry state is for another kind of layer"))),
             }
         }
         self.model.dev.bind()?;
