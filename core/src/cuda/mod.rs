@@ -19,13 +19,15 @@
 //! sum in the last bf16 bit of some outputs (the GPU tests state by how much).
 
 mod dev;
+mod model;
 mod pooler;
 pub(crate) mod capture;
 pub mod synthetic;
 
 pub use capture::{capture_times, CaptureTimes};
 pub use dev::{compile_kernels, cuda_available, probe, CudaStack, GpuDevice, TARGET_ARCHS};
-pub use pooler::{GpuCache, GpuModel, WindowRows};
+pub use model::GpuModel;
+pub use pooler::{GpuCache, WindowRows};
 
 /// How the projections are computed: a plain setting, see [`crate::options`].
 pub use crate::options::GemmMode;
