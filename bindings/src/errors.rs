@@ -15,6 +15,7 @@ pyo3::create_exception!(pd_bridge, WeightsError, PdBridgeError, "A decoder weigh
 pyo3::create_exception!(pd_bridge, InputError, PdBridgeError, "Input that does not fit: attention rows of the wrong width or positions, a bad buffer, an unknown layer or block.");
 pyo3::create_exception!(pd_bridge, WireError, PdBridgeError, "A segment stream that is malformed, out of order, foreign, or that broke.");
 pyo3::create_exception!(pd_bridge, AuthError, PdBridgeError, "A peer that does not prove the shared token.");
+pyo3::create_exception!(pd_bridge, DeviceError, PdBridgeError, "The GPU path failed, or was asked for where there is none: its `kind` (the message's start) names what failed (built without CUDA, CUDA library, no CUDA device, out of memory, CUDA driver, cuBLAS, NVRTC, GPU capture).");
 pyo3::create_exception!(pd_bridge, InternalError, PdBridgeError, "A bug in pd-bridge (a Rust panic), caught at the boundary: the engine keeps running.");
 
 /// `e` as the Python exception of its kind, with `args` as the exception's arguments (the
@@ -28,6 +29,7 @@ pub fn to_py_with<A: PyErrArguments + Send + Sync + 'static>(e: &CoreError, args
         CoreError::Wire(_) => WireError::new_err(args),
         CoreError::Auth(_) => AuthError::new_err(args),
         CoreError::Io { .. } => PyOSError::new_err(args),
+        CoreError::Device { .. } => DeviceError::new_err(args),
         _ => PdBridgeError::new_err(args),
     }
 }
@@ -49,6 +51,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("InputError", py.get_type::<InputError>()),
         ("WireError", py.get_type::<WireError>()),
         ("AuthError", py.get_type::<AuthError>()),
+        ("DeviceError", py.get_type::<DeviceError>()),
         ("InternalError", py.get_type::<InternalError>()),
     ] {
         ty.setattr("__module__", &module)?;

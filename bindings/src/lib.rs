@@ -23,7 +23,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pyo3::prelude::*;
 
-pub use errors::{to_py, AuthError, ConfigError, InputError, InternalError, PdBridgeError, WeightsError, WireError};
+pub use errors::{to_py, AuthError, ConfigError, DeviceError, InputError, InternalError, PdBridgeError, WeightsError, WireError};
+
+/// The capture engine's GPU settings from the `PD_BRIDGE_GPU*` environment variables
+/// ([`pd_bridge_core::CaptureOptions::VARS`]): the one place they are read, at the boundary, when
+/// a capture is created (so a variable set before that, `monkeypatch.setenv` included, applies).
+pub fn capture_options_from_env() -> pd_bridge_core::CaptureOptions {
+    pd_bridge_core::CaptureOptions::from_vars(|k| std::env::var(k).ok())
+}
 
 /// Register the exception classes on the wheel's module `m` (their `__module__` set to its
 /// name, so tracebacks say `pd_bridge_omlx._native.WireError`) and start forwarding `tracing`
@@ -129,6 +136,8 @@ mod tests {
                 (CoreError::Wire("w".into()), "WireError"),
                 (CoreError::Auth("a".into()), "AuthError"),
                 (CoreError::Io { path: "p".into(), source: std::io::Error::other("x") }, "OSError"),
+                (CoreError::Device { what: pd_bridge_core::DeviceFailure::OutOfMemory, reason: "r".into() }, "DeviceError"),
+                (CoreError::Device { what: pd_bridge_core::DeviceFailure::NotBuilt, reason: "r".into() }, "DeviceError"),
             ];
             for (e, class) in cases {
                 let text = e.to_string();

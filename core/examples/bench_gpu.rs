@@ -17,7 +17,13 @@ use pd_bridge_core::cuda::{
     self, gemm_flops, synthetic, DeviceBuffer, DeviceTensor, GemmMode, GpuCache, GpuModel,
 };
 use pd_bridge_core::capture::{Capture, Input};
-use pd_bridge_core::{DecoderSteps, OmlxFormat};
+use pd_bridge_core::{CaptureOptions, DecoderSteps, OmlxFormat};
+/// The GPU path's settings from the `PD_BRIDGE_GPU*` environment variables, read here at the
+/// boundary (the core reads no environment), when a capture or cache is created.
+fn env_options() -> CaptureOptions {
+    CaptureOptions::from_vars(|k| std::env::var(k).ok())
+}
+
 
 fn env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
@@ -43,7 +49,7 @@ fn run(
 ) -> f64 {
     let hidden = m.hidden_size();
     let pass = |tokens: usize| {
-        let mut g = GpuCache::new(m.clone(), DecoderSteps::new(step).unwrap(), mode).unwrap();
+        let mut g = GpuCache::new(m.clone(), DecoderSteps::new(step).unwrap(), &CaptureOptions { gemm: mode, ..env_options() }).unwrap();
         g.gemm_only = gemm_only;
         let t = Instant::now();
         let mut start = 0;
@@ -75,7 +81,7 @@ fn run(
 fn run_capture(format: OmlxFormat, m: &Arc<GpuModel>, x: &DeviceBuffer, tokens: usize, chunk: usize, block: usize) -> Result<(f64, usize, f64), String> {
     let hidden = m.hidden_size();
     let pass = |tokens: usize| -> Result<(f64, usize, f64), String> {
-        let mut c = Capture::with_format(format, m.weights.clone(), "bench", tokens, block).map_err(|e| e.to_string())?;
+        let mut c = Capture::with_format(format, m.weights.clone(), "bench", tokens, block).map_err(|e| e.to_string())?.with_options(env_options());
         let mut segments = 0;
         let mut bytes = 0;
         let mut frame = |segs: Vec<pd_bridge_core::segment::Segment>| {

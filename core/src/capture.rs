@@ -10,16 +10,20 @@
 //!
 //! What a segment carries is planned once ([`SegmentPlan`]) for both paths: the CPU path copies
 //! each layer's part from its pooler state into the block's body, the GPU path
-//! ([`crate::cuda::capture`]) copies it device-to-host into a page-locked body.
+//! (a [`DeviceBackend`], see [`crate::backend`]) copies it device-to-host into a page-locked body.
+//! The capture names no CUDA type: CUDA tensors go to the backend [`crate::device::open`] gives
+//! it, or, where there is none for this capture, to the host and the CPU path.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use half::bf16;
 
+use crate::backend::{DeviceBackend, DeviceRequest};
 use crate::error::{CoreError, Result};
 use crate::format::OmlxFormat;
 use crate::family;
+use crate::options::CaptureOptions;
 use crate::pooler::{CacheBuilder, DecoderSteps, LayerState};
 use crate::segment::{BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
@@ -43,18 +47,19 @@ pub enum Input<'a> {
     Cuda(DeviceInput),
 }
 
-/// A borrowed CUDA tensor as the tap passes it: pointer, byte length, dtype (bf16 only here),
-/// device index and the producer's current stream. With feature `cuda` this is
-/// [`crate::cuda::DeviceTensor`].
-#[cfg(feature = "cuda")]
-pub type DeviceInput = crate::cuda::DeviceTensor;
-#[cfg(not(feature = "cuda"))]
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceInput {
-    pub ptr: u64,
-    pub nbytes: usize,
-    pub device: usize,
-    pub stream: u64,
+/// A borrowed CUDA tensor as the tap passes it: pointer, byte length, device index and the
+/// producer's current stream (bf16 only here): [`crate::backend::DeviceTensor`].
+pub type DeviceInput = crate::backend::DeviceTensor;
+
+/// Where a capture's CUDA tensors go, decided by its first CUDA feed.
+enum DevicePath {
+    /// No CUDA tensor fed yet.
+    Undecided,
+    /// Pooled on the device by this backend.
+    Backend(Box<dyn DeviceBackend>),
+    /// The backend was unavailable for this capture: CUDA rows are copied to the host and
+    /// pooled on the CPU.
+    Host,
 }
 
 pub struct Capture {
@@ -70,17 +75,10 @@ pub struct Capture {
     ready: VecDeque<Segment>,
     emitted: usize,
     sealed: Option<Seal>,
-    #[cfg(feature = "cuda")]
-    weights: Arc<DecoderWeights>,
-    /// The GPU backend, created by the first CUDA feed (feature `cuda`).
-    #[cfg(feature = "cuda")]
-    gpu: Option<crate::cuda::capture::GpuCapture>,
-    /// The first CUDA feed found the GPU backend unavailable for this capture: CUDA feeds are
-    /// copied to the host and pooled on the CPU.
-    #[cfg(feature = "cuda")]
-    gpu_fallback: bool,
-    /// The carry state a resumed capture started from: the GPU backend starts there too.
-    #[cfg(feature = "cuda")]
+    /// The GPU path's settings, read by the first CUDA feed.
+    options: CaptureOptions,
+    device: DevicePath,
+    /// The carry state a resumed capture started from: the device backend starts there too.
     carry: Option<crate::pooler::carry::CarryState>,
 }
 
@@ -96,8 +94,6 @@ impl Capture {
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
         let segments = SegmentPlan::new(family::geometry(&weights.plan, format, block_size), request_id, &weights.fingerprint);
-        #[cfg(feature = "cuda")]
-        let w2 = weights.clone();
         Ok(Capture {
             format,
             request_id: request_id.into(),
@@ -109,15 +105,22 @@ impl Capture {
             ready: VecDeque::new(),
             emitted: 0,
             sealed: None,
-            #[cfg(feature = "cuda")]
-            weights: w2,
-            #[cfg(feature = "cuda")]
-            gpu: None,
-            #[cfg(feature = "cuda")]
-            gpu_fallback: false,
-            #[cfg(feature = "cuda")]
+            options: CaptureOptions::default(),
+            device: DevicePath::Undecided,
             carry: None,
         })
+    }
+
+    /// This capture with the GPU path's `options` (the defaults otherwise; the CPU path reads
+    /// none): the boundary builds them once, from its keyword arguments or the `PD_BRIDGE_GPU*`
+    /// environment variables. Set before the first feed.
+    pub fn with_options(mut self, options: CaptureOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    pub fn options(&self) -> &CaptureOptions {
+        &self.options
     }
 
     pub fn request_id(&self) -> &str {
@@ -160,17 +163,13 @@ impl Capture {
             });
         }
         let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(self.builder.origin()));
-        #[cfg(feature = "cuda")]
-        let fed = fed || self.gpu.is_some() || self.gpu_fallback;
+        let fed = fed || !matches!(self.device, DevicePath::Undecided);
         if fed || self.emitted != self.builder.origin() / self.block_size || self.sealed.is_some() || self.pending() > 0 {
             return Err(CoreError::input(0, format!("capture {} was already fed or sealed; a carry state can only seed a fresh capture", self.request_id)));
         }
         self.builder = CacheBuilder::resume(weights, carry)?;
         self.emitted = carry.position / self.block_size;
-        #[cfg(feature = "cuda")]
-        {
-            self.carry = Some(carry.clone());
-        }
+        self.carry = Some(carry.clone());
         tracing::debug!(request = %self.request_id, resumed_at = carry.position, blocks = self.blocks, "capture resumed from a carry state");
         Ok(())
     }
@@ -215,15 +214,15 @@ impl Capture {
     /// Fold one chunk, wherever it lives: the CPU path for host rows, the GPU path for CUDA
     /// tensors (queued on a side stream after the producer's stream; the call never waits for the
     /// device, and segments appear in [`Self::take_ready`] once the chunk's CUDA event completed).
-    /// A capture is fed from one side only. Without the GPU backend (no `cuda` feature, a block
-    /// size that is not a multiple of every compress ratio, a resume point where a block would
-    /// read rows from before it, `PD_BRIDGE_GPU_UPSTREAM=0` for upstream's format, or
-    /// `PD_BRIDGE_GPU=0`) CUDA rows are copied to the host and pooled on the CPU.
+    /// A capture is fed from one side only. Without the GPU backend (no `cuda` feature: an error
+    /// saying so; a block size that is not a multiple of every compress ratio, a resume point
+    /// where a block would read rows from before it, [`CaptureOptions::upstream`] off for
+    /// upstream's format, or [`CaptureOptions::gpu`] off) CUDA rows are copied to the host and
+    /// pooled on the CPU.
     pub fn feed_input(&mut self, layer: usize, start: usize, input: Input<'_>) -> Result<()> {
         match input {
             Input::Host(x) => {
-                #[cfg(feature = "cuda")]
-                if self.gpu.is_some() {
+                if matches!(self.device, DevicePath::Backend(_)) {
                     return Err(CoreError::input(layer, "this capture is fed CUDA tensors; host rows cannot be mixed in"));
                 }
                 self.feed(layer, start, x)
@@ -232,52 +231,53 @@ impl Capture {
         }
     }
 
-    #[cfg(not(feature = "cuda"))]
-    fn feed_cuda(&mut self, layer: usize, _start: usize, _t: &DeviceInput) -> Result<()> {
-        Err(CoreError::input(layer, "a CUDA tensor was passed but pd-bridge-core was built without the `cuda` feature"))
-    }
-
-    #[cfg(feature = "cuda")]
     fn feed_cuda(&mut self, layer: usize, start: usize, t: &DeviceInput) -> Result<()> {
         if self.sealed.is_some() {
             return Err(CoreError::input(layer, format!("capture {} is already sealed", self.request_id)));
         }
-        if self.gpu.is_none() && !self.gpu_fallback {
+        if matches!(self.device, DevicePath::Undecided) {
             let origin = self.builder.origin();
             let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(origin));
-            // GpuCapture::new (and resume_at, for a resumed capture) decide which formats, block
+            // The backend (and its resume, for a resumed capture) decides which formats, block
             // sizes and resume points the GPU handles.
-            let off = std::env::var("PD_BRIDGE_GPU").is_ok_and(|v| v == "0");
-            let mut gpu = if fed || off { None } else { crate::cuda::capture::GpuCapture::new(self.weights.clone(), t.device, self.format, self.segments.clone(), self.blocks)? };
-            if let (Some(g), Some(carry)) = (gpu.as_mut(), self.carry.as_ref()) {
-                if !g.resume_at(carry)? {
-                    tracing::debug!(request = %self.request_id, resumed_at = origin, "the GPU path cannot start at this resume point: pooling on the CPU");
-                    gpu = None;
+            let backend = if fed || !self.options.gpu {
+                None
+            } else {
+                crate::device::open(DeviceRequest {
+                    weights: self.builder.weights().clone(),
+                    device: t.device,
+                    format: self.format,
+                    plan: self.segments.clone(),
+                    blocks: self.blocks,
+                    carry: self.carry.as_ref(),
+                    options: &self.options,
+                })?
+            };
+            self.device = match backend {
+                Some(b) => DevicePath::Backend(b),
+                None => {
+                    tracing::debug!(request = %self.request_id, resumed_at = origin, "no GPU backend for this capture: pooling its CUDA rows on the CPU");
+                    DevicePath::Host
                 }
-            }
-            match gpu {
-                Some(g) => self.gpu = Some(g),
-                None => self.gpu_fallback = true,
-            }
+            };
         }
-        match self.gpu.as_mut() {
-            Some(g) => {
-                g.feed(layer, start, t)?;
-                self.poll_gpu(false)
+        match &mut self.device {
+            DevicePath::Backend(b) => {
+                b.feed(layer, start, t)?;
+                self.poll_device(false)
             }
-            None => {
-                let x = crate::cuda::capture::copy_to_host(t)?;
+            _ => {
+                let x = crate::device::copy_to_host(t)?;
                 self.feed(layer, start, &x)
             }
         }
     }
 
-    /// Take in the GPU chunks that finished (all of them if `wait`).
-    #[cfg(feature = "cuda")]
-    fn poll_gpu(&mut self, wait: bool) -> Result<()> {
-        let Some(g) = self.gpu.as_mut() else { return Ok(()) };
-        // The GPU path completes whole segments, in block order.
-        for seg in g.poll(wait)? {
+    /// Take in the device blocks that finished (all of them if `wait`).
+    fn poll_device(&mut self, wait: bool) -> Result<()> {
+        let DevicePath::Backend(b) = &mut self.device else { return Ok(()) };
+        // The device backend completes whole segments, in block order.
+        for seg in b.poll(wait)? {
             self.ready.push_back(seg);
             self.emitted += 1;
         }
@@ -287,29 +287,25 @@ impl Capture {
     /// GPU blocks with device work queued whose segments are not out yet (0 on the CPU path and
     /// after the seal).
     pub fn pending(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        if let Some(g) = &self.gpu {
-            return g.pending();
+        match &self.device {
+            DevicePath::Backend(b) => b.pending(),
+            _ => 0,
         }
-        0
     }
 
     /// The GPU backend's side stream (as an integer `CUstream`), once a CUDA feed created it: the
     /// stream that reads the input, for the caller's allocator (`tensor.record_stream`).
     pub fn side_stream(&self) -> Option<u64> {
-        #[cfg(feature = "cuda")]
-        if let Some(g) = &self.gpu {
-            return Some(g.stream_handle());
+        match &self.device {
+            DevicePath::Backend(b) => Some(b.side_stream()),
+            _ => None,
         }
-        None
     }
 
     /// Wait for every queued GPU chunk and take its segments in (a no-op on the CPU path). Call
     /// it off the forward thread; [`Self::seal`] does it too.
     pub fn drain_device(&mut self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        self.poll_gpu(true)?;
-        Ok(())
+        self.poll_device(true)
     }
 
     /// Copy `layer`'s part of block `block`'s segment from its state (the state has just reached
@@ -343,8 +339,7 @@ impl Capture {
 
     /// Segments completed since the last call, in block order.
     pub fn take_ready(&mut self) -> Vec<Segment> {
-        #[cfg(feature = "cuda")]
-        if let Err(e) = self.poll_gpu(false) {
+        if let Err(e) = self.poll_device(false) {
             tracing::error!(request = %self.request_id, error = %e, "GPU capture failed");
         }
         self.ready.drain(..).collect()
@@ -367,9 +362,8 @@ impl Capture {
             None => Seal::Partial { blocks, tokens, reason: format!("only {} of {} blocks were captured", self.emitted, self.blocks) },
         };
         self.assembling.clear();
-        #[cfg(feature = "cuda")]
-        if let Some(g) = self.gpu.as_mut() {
-            g.finish();
+        if let DevicePath::Backend(b) = &mut self.device {
+            b.finish();
         }
         self.sealed = Some(seal.clone());
         seal

@@ -47,6 +47,48 @@ pub enum CoreError {
     /// layers) or the block file it could not be read from.
     #[error("carry state, {what}: {reason}")]
     Carry { what: CarryField, reason: String },
+
+    /// The GPU path failed (or was asked for where there is none): `what` names the part that
+    /// failed (driver, out of memory, cuBLAS, NVRTC, ...), `reason` the call and its answer.
+    #[error("device, {what}: {reason}")]
+    Device { what: DeviceFailure, reason: String },
+}
+
+/// What failed on the GPU path, for [`CoreError::Device`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceFailure {
+    /// The core was built without the `cuda` feature, yet a GPU was asked for.
+    NotBuilt,
+    /// A CUDA library (libcuda, libcublas, libnvrtc) could not be loaded.
+    Library,
+    /// No such CUDA device (or none at all).
+    NoDevice,
+    /// Device or page-locked host memory ran out.
+    OutOfMemory,
+    /// A CUDA driver call failed (context, stream, event, copy, kernel launch).
+    Driver,
+    /// cuBLAS failed (handle creation, a GEMM).
+    Cublas,
+    /// NVRTC could not compile the kernels (or their PTX could not be used).
+    Nvrtc,
+    /// The GPU capture's own state: an earlier failure, or a request it cannot serve (a carry
+    /// state that does not fit its layers, a block it never gathered).
+    Capture,
+}
+
+impl std::fmt::Display for DeviceFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceFailure::NotBuilt => "built without CUDA",
+            DeviceFailure::Library => "CUDA library",
+            DeviceFailure::NoDevice => "no CUDA device",
+            DeviceFailure::OutOfMemory => "out of memory",
+            DeviceFailure::Driver => "CUDA driver",
+            DeviceFailure::Cublas => "cuBLAS",
+            DeviceFailure::Nvrtc => "NVRTC",
+            DeviceFailure::Capture => "GPU capture",
+        })
+    }
 }
 
 /// What a carry state disagrees on (or why it cannot be read), for [`CoreError::Carry`].
@@ -111,6 +153,9 @@ impl CoreError {
     }
     pub(crate) fn segment(block: u64, layer: Option<usize>, array: Option<&str>, reason: impl Into<String>) -> Self {
         CoreError::Segment { block, layer, array: array.map(str::to_string), reason: reason.into() }
+    }
+    pub(crate) fn device(what: DeviceFailure, reason: impl Into<String>) -> Self {
+        CoreError::Device { what, reason: reason.into() }
     }
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         CoreError::Io { path: path.into(), source }

@@ -12,16 +12,19 @@
 //! oMLX) and [`geometry`] (what a block holds at a boundary). `core/tests/no_import_cycle.rs`
 //! keeps the core's files free of import cycles.
 
+pub mod backend;
 pub mod block;
 pub mod capture;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod family;
 pub mod format;
 pub mod geometry;
 pub mod ingest;
 pub mod numerics;
+pub mod options;
 pub mod plan;
 pub mod pooler;
 pub mod segment;
@@ -31,7 +34,8 @@ pub mod view;
 pub mod weights;
 pub mod wire;
 
-pub use error::{CoreError, Result};
+pub use error::{CoreError, DeviceFailure, Result};
+pub use options::{CaptureOptions, GemmMode};
 pub use format::OmlxFormat;
 pub use plan::ModelPlan;
 pub use pooler::{CacheBuilder, DecoderSteps};

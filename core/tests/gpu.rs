@@ -12,10 +12,16 @@ mod common;
 use std::sync::Arc;
 
 use half::bf16;
-use pd_bridge_core::{CacheBuilder, DecoderSteps, DecoderWeights, StateArray};
+use pd_bridge_core::{CacheBuilder, CaptureOptions, DecoderSteps, DecoderWeights, StateArray};
 
 #[cfg(feature = "cuda")]
 use pd_bridge_core::cuda::{self, synthetic, GemmMode, GpuCache, GpuModel};
+
+/// The GPU path's settings from the `PD_BRIDGE_GPU*` environment variables, read here at the
+/// boundary (the core reads no environment), when a capture or cache is created.
+fn env_options() -> CaptureOptions {
+    CaptureOptions::from_vars(|k| std::env::var(k).ok())
+}
 
 /// Map bf16 bits to a monotonic integer line so that ulp distance is a difference.
 fn ordered(b: bf16) -> i32 {
@@ -100,7 +106,7 @@ fn gpu_states(
     chunks: &[usize],
 ) -> Vec<Vec<StateArray>>{
     let hidden = m.hidden_size();
-    let mut g = GpuCache::new(m.clone(), DecoderSteps::new(step).unwrap(), mode).unwrap();
+    let mut g = GpuCache::new(m.clone(), DecoderSteps::new(step).unwrap(), &CaptureOptions { gemm: mode, ..env_options() }).unwrap();
     for (l, xl) in x.iter().enumerate() {
         let mut t = 0;
         for &c in chunks {

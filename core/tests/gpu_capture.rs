@@ -3,7 +3,7 @@
 //! feature these tests are ignored with that reason; with it but no device they print
 //! `SKIPPED: …` and return.
 //!
-//! The projections run with the bit-exact GEMM here (`PD_BRIDGE_GPU_GEMM=exact`), so equality
+//! The projections run with the bit-exact GEMM here (`PD_BRIDGE_GPU_GEMM=exact`, read into the captures' options), so equality
 //! is exact; the tensor-core GEMM's deviation is measured in tests/gpu.rs.
 
 #![allow(dead_code, unused_imports)]
@@ -15,7 +15,13 @@ use std::sync::Arc;
 use half::bf16;
 use pd_bridge_core::capture::{Capture, Input};
 use pd_bridge_core::segment::Segment;
-use pd_bridge_core::{DecoderWeights, OmlxFormat};
+use pd_bridge_core::{CaptureOptions, DecoderWeights, OmlxFormat};
+/// The GPU path's settings from the `PD_BRIDGE_GPU*` environment variables, read here at the
+/// boundary (the core reads no environment), when a capture or cache is created.
+fn env_options() -> CaptureOptions {
+    CaptureOptions::from_vars(|k| std::env::var(k).ok())
+}
+
 
 #[cfg(feature = "cuda")]
 use pd_bridge_core::cuda::{self, synthetic, DeviceBuffer, DeviceTensor};
@@ -94,7 +100,7 @@ fn check_format(format: OmlxFormat, name: &str, w: Arc<DecoderWeights>, tokens: 
     eprintln!("{name}: CPU capture {} segments in {:.1}s", cpu.len(), t0.elapsed().as_secs_f64());
     assert_eq!(cpu.len(), tokens / block);
     for s in sizes {
-        let c = Capture::with_format(format, w.clone(), "r", tokens, block).unwrap();
+        let c = Capture::with_format(format, w.clone(), "r", tokens, block).unwrap().with_options(env_options());
         let (gpu, gpu_seal) = run_device(c, hidden, &dx, 0, &chunks_of(tokens, s));
         assert_same(&format!("{name} chunks {s:?}"), cpu.iter(), &cpu_seal, &gpu, &gpu_seal);
         eprintln!("{name}: GPU capture, chunks {s:?}: {} segments equal to the CPU path's", gpu.len());
@@ -173,7 +179,7 @@ fn check_resumed(name: &str, format: OmlxFormat, w: Arc<DecoderWeights>, tokens:
     let tail: Vec<&Segment> = cpu.iter().filter(|g| g.header.index as usize >= s / block).collect();
     assert_eq!(tail.len(), tokens / block - s / block);
     for sz in sizes {
-        let c = Capture::resume(format, w.clone(), "r", tokens, block, &carry).unwrap();
+        let c = Capture::resume(format, w.clone(), "r", tokens, block, &carry).unwrap().with_options(env_options());
         let from = s - lead;
         let (segs, seal) = run_device(c, hidden, &dx, from, &chunks_of(tokens - from, sz));
         assert_same(&format!("{name} chunks {sz:?}"), tail.iter().copied(), &cpu_seal, &segs, &seal);

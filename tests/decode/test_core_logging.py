@@ -83,7 +83,7 @@ def test_both_wheels_forward_and_honour_the_level(caplog, tmp_path, models):
 
 
 def test_both_wheels_raise_the_same_classes(models):
-    shared = ("PdBridgeError", "ConfigError", "WeightsError", "InputError", "WireError", "AuthError", "InternalError")
+    shared = ("PdBridgeError", "ConfigError", "WeightsError", "InputError", "WireError", "AuthError", "DeviceError", "InternalError")
     for wheel in (pd_bridge_omlx, pd_bridge_vllm):
         native = wheel._native
         for name in shared:

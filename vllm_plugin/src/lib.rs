@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use pd_bridge_core::segment_server::{Outbox, SegmentServer as CoreSegmentServer, ServerConfig};
 use pd_bridge_core::wire::{CaptureSecret, PromptDigest, Seal};
 use pd_bridge_bindings::buffer::{with_bf16, ByteView};
-use pd_bridge_bindings::{guard, to_py, ConfigError, InputError};
+use pd_bridge_bindings::{capture_options_from_env, guard, to_py, ConfigError, InputError};
 use pd_bridge_core::DecoderWeights;
 use pyo3::prelude::*;
 
@@ -195,7 +195,8 @@ impl Capture {
                 (None, None) => Outbox::detached(request_id),
                 _ => return Err(ConfigError::new_err("a capture's secret and prompt_digest come together")),
             };
-            let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?;
+            // The GPU path's settings, read once here at the boundary (PD_BRIDGE_GPU*).
+            let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?.with_options(capture_options_from_env());
             Ok(Capture { inner, outbox, digest: (!keyed).then(Sha256::new), segments: 0, bytes: 0 })
         })
     }
@@ -389,7 +390,7 @@ fn cuda_report(py: Python<'_>) -> PyResult<Py<pyo3::types::PyDict>> {
 }
 
 /// Compile the capture kernels for `arch` (`compute_90`, ...) with NVRTC, as a capture does at its
-/// first CUDA feed: the PTX's length. ConfigError naming the fix when NVRTC is missing or broken.
+/// first CUDA feed: the PTX's length. DeviceError naming the fix when NVRTC is missing or broken.
 #[pyfunction]
 fn compile_kernels(py: Python<'_>, arch: String) -> PyResult<usize> {
     guard(|| {
@@ -400,7 +401,7 @@ fn compile_kernels(py: Python<'_>, arch: String) -> PyResult<usize> {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (py, arch);
-            Err(ConfigError::new_err("this pd-bridge-vllm was built without the cuda feature"))
+            Err(pd_bridge_bindings::DeviceError::new_err("device, built without CUDA: this pd-bridge-vllm was built without the cuda feature"))
         }
     })
 }

@@ -31,9 +31,11 @@ use half::bf16;
 
 use super::dev::{ck, Args, Event, PinnedLease, StagingLease, Stream};
 use super::pooler::DevRows;
-use super::{DeviceTensor, GemmMode, GpuCache, GpuModel, WindowRows};
-use crate::error::{CoreError, Result};
+use super::{DeviceTensor, GpuCache, GpuModel, WindowRows};
+use crate::backend::{DeviceBackend, DeviceRequest};
+use crate::error::{CoreError, DeviceFailure, Result};
 use crate::format::{OmlxFormat, Overlap};
+use crate::options::CaptureOptions;
 use crate::pooler::DecoderSteps;
 use crate::segment::{ArraySource, BlockPlan, Segment, SegmentPlan};
 use crate::weights::DecoderWeights;
@@ -102,6 +104,8 @@ pub(crate) struct GpuCapture {
     spare_events: Vec<Event>,
     /// Blocks in flight beyond which a feed first waits for queued copies (set by the first feed).
     max_open: usize,
+    /// [`CaptureOptions::open_blocks`]: `max_open` if set.
+    open_blocks: Option<usize>,
     /// The block boundary the capture resumed at: rows before it are already the decoder's.
     origin: usize,
     /// A feed failed after queueing device work: some gathers may be missing, so no later block
@@ -150,22 +154,23 @@ impl GpuCapture {
     /// blocks must end on pool window boundaries (`block_size` a multiple of every compress
     /// ratio: no remainder rows). Upstream's format (carried overlap, bf16 pooling sums, previous
     /// windows in the segments) is on the GPU too, equal to the CPU path on an H200 (exact GEMM,
-    /// Flash shapes and tiny V4, several chunkings); `PD_BRIDGE_GPU_UPSTREAM=0` sends it to the CPU.
-    pub fn new(weights: Arc<DecoderWeights>, device: usize, format: OmlxFormat, plan: SegmentPlan, blocks: usize) -> Result<Option<Self>> {
+    /// Flash shapes and tiny V4, several chunkings); [`CaptureOptions::upstream`] off sends it to
+    /// the CPU.
+    pub fn new(weights: Arc<DecoderWeights>, device: usize, format: OmlxFormat, plan: SegmentPlan, blocks: usize, options: &CaptureOptions) -> Result<Option<Self>> {
         let bs = plan.block_size();
-        let upstream = !std::env::var("PD_BRIDGE_GPU_UPSTREAM").is_ok_and(|v| v == "0");
+        let upstream = options.upstream;
         if (format.overlap() == Overlap::Carried && !upstream) || (0..plan.num_layers()).any(|l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0) {
             return Ok(None);
         }
         let steps = DecoderSteps::for_format(format, bs)?;
         let model = GpuModel::shared(weights, device)?;
-        let mut cache = GpuCache::new(model, steps, GemmMode::from_env())?;
+        let mut cache = GpuCache::new(model, steps, options)?;
         cache.window_rows = WindowRows::All;
         let n = plan.num_layers();
         let nposts = cache.post_streams().len();
         Ok(Some(GpuCapture {
-            // PD_BRIDGE_GPU_COPY_STREAMS: streams the finished bodies leave the device on.
-            copy: (0..std::env::var("PD_BRIDGE_GPU_COPY_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(4).clamp(1, 8)).map(|_| Stream::new()).collect::<Result<_>>()?,
+            // The streams the finished bodies leave the device on.
+            copy: (0..options.copy_streams_used()).map(|_| Stream::new()).collect::<Result<_>>()?,
             gathered: (0..nposts).map(|_| Event::new()).collect::<Result<_>>()?,
             cache,
             plan,
@@ -178,6 +183,7 @@ impl GpuCapture {
             ready: vec![],
             spare_events: vec![],
             max_open: 0,
+            open_blocks: options.open_blocks,
             origin: 0,
             failed: None,
         }))
@@ -191,7 +197,7 @@ impl GpuCapture {
         let s = carry.position;
         let bs = self.plan.block_size();
         if s % bs != 0 || self.next != 0 || !self.open.is_empty() {
-            return Err(CoreError::config("cuda", format!("resume point {s} is not a block boundary, or the GPU capture was fed already")));
+            return Err(CoreError::device(DeviceFailure::Capture, format!("resume point {s} is not a block boundary, or the GPU capture was fed already")));
         }
         if s / bs < self.blocks && (0..self.plan.num_layers()).any(|l| self.plan.first_token(s / bs, l) < s) {
             return Ok(false);
@@ -227,7 +233,7 @@ impl GpuCapture {
 
     fn refuse_if_failed(&self) -> Result<()> {
         match &self.failed {
-            Some(e) => Err(CoreError::config("cuda", format!("an earlier feed of this GPU capture failed ({e}); nothing more is captured"))),
+            Some(e) => Err(CoreError::device(DeviceFailure::Capture, format!("an earlier feed of this GPU capture failed ({e}); nothing more is captured"))),
             None => Ok(()),
         }
     }
@@ -265,7 +271,7 @@ impl GpuCapture {
         if self.max_open == 0 {
             // The blocks one chunk touches (its own, the next one's window lookback), twice over:
             // the engine may queue a chunk while the device works on the previous one.
-            self.max_open = std::env::var("PD_BRIDGE_GPU_OPEN_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2 * (rows.div_ceil(bs) + 2)).max(2);
+            self.max_open = self.open_blocks.unwrap_or(2 * (rows.div_ceil(bs) + 2)).max(2);
         }
         self.cache.model.dev.bind()?;
         let t = DeviceTensor { nbytes: (end - start) * hidden * 2, ..*t };
@@ -334,7 +340,7 @@ impl GpuCapture {
         }
         while self.next < self.blocks && (self.next + 1) * bs <= upto {
             let cs = self.copy[self.next % self.copy.len()].0;
-            let values = self.open.get(&self.next).ok_or_else(|| CoreError::config("cuda", format!("block {} was never gathered", self.next)))?.plan.values;
+            let values = self.open.get(&self.next).ok_or_else(|| CoreError::device(DeviceFailure::Capture, format!("block {} was never gathered", self.next)))?.plan.values;
             // Taken before the block leaves `open`: a failure here drops nothing in use.
             let body = PinnedLease::take(&self.cache.model.dev, values)?;
             let done = match self.spare_events.pop() {
@@ -397,6 +403,40 @@ impl GpuCapture {
     }
 }
 
+/// The GPU backend for `req`, or `None` where this capture is not handled on the GPU (the
+/// capture then pools its CUDA rows on the CPU): see [`GpuCapture::new`] and
+/// [`GpuCapture::resume_at`].
+pub(crate) fn open(req: DeviceRequest<'_>) -> Result<Option<Box<dyn DeviceBackend>>> {
+    let Some(mut g) = GpuCapture::new(req.weights, req.device, req.format, req.plan, req.blocks, req.options)? else {
+        return Ok(None);
+    };
+    if let Some(carry) = req.carry {
+        if !g.resume_at(carry)? {
+            tracing::debug!(resumed_at = carry.position, "the GPU path cannot start at this resume point: pooling on the CPU");
+            return Ok(None);
+        }
+    }
+    Ok(Some(Box::new(g)))
+}
+
+impl DeviceBackend for GpuCapture {
+    fn feed(&mut self, layer: usize, start: usize, t: &DeviceTensor) -> Result<()> {
+        GpuCapture::feed(self, layer, start, t)
+    }
+    fn poll(&mut self, wait: bool) -> Result<Vec<Segment>> {
+        GpuCapture::poll(self, wait)
+    }
+    fn pending(&self) -> usize {
+        GpuCapture::pending(self)
+    }
+    fn side_stream(&self) -> u64 {
+        self.stream_handle()
+    }
+    fn finish(&mut self) {
+        GpuCapture::finish(self)
+    }
+}
+
 /// The blocks a feed of `layer` with tokens `[start, end)` writes into, in order: from the block
 /// holding `start` on, while the block reads a row before `end` (the next block's window looks
 /// back into this chunk).
@@ -447,7 +487,7 @@ fn row_copies(b: &BlockPlan, layer: usize, outs: &[DevRows]) -> Result<Vec<RowCo
             ArraySource::Remainder { .. } => (None, 0, 0, 0),
         };
         let Some(out) = out.filter(|o| o.width == width || matches!(a.source, ArraySource::Prev { .. })) else {
-            return Err(CoreError::config("cuda", format!("layer {layer}: the GPU produces no {:?} rows of width {width}", a.source)));
+            return Err(CoreError::device(DeviceFailure::Capture, format!("layer {layer}: the GPU produces no {:?} rows of width {width}", a.source)));
         };
         let (lo, hi) = (r0.max(out.first), r1.min(out.first + out.rows));
         if lo < hi {

@@ -7,10 +7,22 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, DeviceFailure, Result};
 
+/// A failed CUDA call as a [`CoreError::Device`]: `what` the call, `e` its answer. The kind is
+/// read from the answer (out of memory, no device, a cuBLAS status), else a driver failure.
 pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> CoreError {
-    CoreError::config("cuda", format!("{what}: {e:?}"))
+    let answer = format!("{e:?}");
+    let kind = if answer.contains("OUT_OF_MEMORY") || answer.contains("ALLOC_FAILED") {
+        DeviceFailure::OutOfMemory
+    } else if answer.contains("NO_DEVICE") || answer.contains("INVALID_DEVICE") {
+        DeviceFailure::NoDevice
+    } else if answer.starts_with("CUBLAS_") || what.starts_with("cublas") || what.contains("cuBLAS") {
+        DeviceFailure::Cublas
+    } else {
+        DeviceFailure::Driver
+    };
+    CoreError::device(kind, format!("{what}: {answer}"))
 }
 
 pub(crate) fn ck(what: &str, r: sys::CUresult) -> Result<()> {
@@ -51,7 +63,7 @@ pub fn compile_kernels(arch: &str) -> Result<String> {
         ..Default::default()
     };
     let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SRC, opts))
-        .map_err(|_| CoreError::config("cuda", format!("the NVRTC library (libnvrtc.so.13) could not be loaded: {NVRTC_FIX}")))?
+        .map_err(|_| CoreError::device(DeviceFailure::Library, format!("the NVRTC library (libnvrtc.so.13) could not be loaded: {NVRTC_FIX}")))?
         .map_err(|e| nvrtc_error(arch, e))?;
     Ok(ptx.to_src())
 }
@@ -61,12 +73,12 @@ fn nvrtc_error(arch: &str, e: cudarc::nvrtc::CompileError) -> CoreError {
     // NVRTC loads its builtins library itself, by name, at the first compile: missing, it
     // fails every compile with this code and no hint of the file.
     if text.contains("BUILTIN_OPERATION_FAILURE") || text.contains("nvrtc-builtins") {
-        return CoreError::config("cuda", format!("NVRTC cannot load its builtins library (libnvrtc-builtins.so.13.*) while compiling the kernels for {arch}: {NVRTC_FIX}"));
+        return CoreError::device(DeviceFailure::Library, format!("NVRTC cannot load its builtins library (libnvrtc-builtins.so.13.*) while compiling the kernels for {arch}: {NVRTC_FIX}"));
     }
     if text.contains("INVALID_OPTION") {
-        return CoreError::config("cuda", format!("this NVRTC cannot compile for {arch} (too old for this GPU; CUDA 13 supports {}): {text}", TARGET_ARCHS.join(", ")));
+        return CoreError::device(DeviceFailure::Nvrtc, format!("this NVRTC cannot compile for {arch} (too old for this GPU; CUDA 13 supports {}): {text}", TARGET_ARCHS.join(", ")));
     }
-    err(&format!("compiling the kernels for {arch}"), text)
+    CoreError::device(DeviceFailure::Nvrtc, format!("compiling the kernels for {arch}: {text}"))
 }
 
 /// This host's CUDA stack, as the prefill host's doctor reports it. Every field that could not
@@ -167,7 +179,7 @@ impl GpuDevice {
 
     fn open(ordinal: usize) -> Result<Self> {
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| CoreError::config("cuda", "the CUDA driver library could not be loaded"))?
+            .map_err(|_| CoreError::device(DeviceFailure::Library, "the CUDA driver library could not be loaded"))?
             .map_err(|e| err("opening the device", e))?;
         let name = ctx.name().unwrap_or_default();
         let (maj, min) = ctx
@@ -176,7 +188,7 @@ impl GpuDevice {
         let ptx = compile_kernels(&format!("compute_{maj}{min}"))?;
         ctx.bind_to_thread()
             .map_err(|e| err("binding the context", e))?;
-        let src = CString::new(ptx).map_err(|_| CoreError::config("cuda", "NVRTC returned PTX with a NUL byte"))?;
+        let src = CString::new(ptx).map_err(|_| CoreError::device(DeviceFailure::Nvrtc, "NVRTC returned PTX with a NUL byte"))?;
         let mut module = std::ptr::null_mut();
         ck("loading the kernels", unsafe {
             sys::cuModuleLoadData(&mut module, src.as_ptr() as *const c_void)
@@ -229,7 +241,7 @@ impl GpuDevice {
         let f = *self
             .funcs
             .get(kernel)
-            .ok_or_else(|| CoreError::config("cuda", format!("kernel {kernel} missing")))?;
+            .ok_or_else(|| CoreError::device(DeviceFailure::Nvrtc, format!("kernel {kernel} missing")))?;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }

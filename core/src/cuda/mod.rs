@@ -19,45 +19,22 @@
 //! sum in the last bf16 bit of some outputs (the GPU tests state by how much).
 
 mod dev;
+mod model;
 mod pooler;
 pub(crate) mod capture;
 pub mod synthetic;
 
 pub use capture::{capture_times, CaptureTimes};
 pub use dev::{compile_kernels, cuda_available, probe, CudaStack, GpuDevice, TARGET_ARCHS};
-pub use pooler::{GpuCache, GpuModel, WindowRows};
+pub use model::GpuModel;
+pub use pooler::{GpuCache, WindowRows};
 
-/// How the projections are computed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GemmMode {
-    /// Sequential f32 accumulation per output, like the CPU reference: bit-exact, CUDA cores.
-    Exact,
-    /// cuBLAS bf16 GEMM with f32 accumulation on tensor cores: fast, not bit-exact.
-    TensorCore,
-}
+/// How the projections are computed: a plain setting, see [`crate::options`].
+pub use crate::options::GemmMode;
 
-impl GemmMode {
-    /// `PD_BRIDGE_GPU_GEMM=exact|tensor` (default: tensor).
-    pub fn from_env() -> Self {
-        match std::env::var("PD_BRIDGE_GPU_GEMM").as_deref() {
-            Ok("exact") => GemmMode::Exact,
-            _ => GemmMode::TensorCore,
-        }
-    }
-}
-
-/// A borrowed device tensor as a framework describes it (torch: `data_ptr()`, `numel()`,
-/// dtype, `device.index`, `torch.cuda.current_stream().cuda_stream`).
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceTensor {
-    /// Device pointer to contiguous row-major `[rows, hidden]` bf16.
-    pub ptr: u64,
-    pub nbytes: usize,
-    pub device: usize,
-    /// The stream that produced the tensor (0: the legacy default stream). The feed is ordered
-    /// after the work queued on it so far.
-    pub stream: u64,
-}
+/// A borrowed device tensor as a framework describes it: defined with the backend seam, so
+/// that a build without CUDA names it too.
+pub use crate::backend::DeviceTensor;
 
 /// Device memory holding a copy of host rows (benchmarks and tests that need a device pointer).
 pub struct DeviceBuffer {

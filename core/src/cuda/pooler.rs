@@ -1,255 +1,29 @@
-//! Resident weights ([`GpuModel`]) and one request's device state ([`GpuCache`]).
+//! One request's decoder cache on the GPU ([`GpuCache`]): its per-layer device state (rotating
+//! window, compressor stashes and pools, MLA rows), the streams and the projection step (a chunk
+//! of a layer is one GEMM on the side stream into a ring of output slots, handed to the layer's
+//! post stream with an event); the kernels after the projections are in [`post`], the resident
+//! weights in [`super::model`].
+
+mod post;
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cudarc::cublas::sys as cb;
 use cudarc::driver::sys;
 use half::bf16;
 
-use super::dev::{ck, err, Args, DevBuf, Event, GpuDevice, Stream};
+use super::dev::{ck, err, Args, DevBuf, Event, Stream};
+use super::model::{GpuModel, LayerDev};
 use super::{DeviceTensor, GemmMode};
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, DeviceFailure, Result};
+use crate::format::Overlap;
+use crate::options::CaptureOptions;
 use crate::pooler::carry::{CarryState, LayerCarry};
-use crate::numerics::{round_bf16, Rope};
-use crate::plan::{ModelPlan, V4LayerKind};
-use crate::format::{Overlap, PoolSum};
 use crate::pooler::DecoderSteps;
 use crate::view::StateArray;
-use crate::weights::{CompressorWeights, DecoderWeights, LayerWeights, Linear};
 
 const BF: usize = 2;
-
-/// A [`Rope`]'s per-pair inverse frequencies, exactly. `Rope` keeps them private; its `Debug`
-/// form prints every f32 in Rust's shortest round-trip notation, so parsing it back is exact.
-fn rope_inv_freq(r: &Rope) -> Vec<f32> {
-    let s = format!("{r:?}");
-    let a = s.find("inv_freq: [").expect("Rope's Debug names inv_freq") + "inv_freq: [".len();
-    let b = a + s[a..].find(']').expect("closing bracket");
-    let v: Vec<f32> = s[a..b]
-        .split(',')
-        .filter(|t| !t.trim().is_empty())
-        .map(|t| t.trim().parse().expect("f32"))
-        .collect();
-    assert_eq!(v.len() * 2, r.dims());
-    v
-}
-
-struct RopeDev {
-    inv: DevBuf,
-    pairs: usize,
-    freq_scale: usize,
-}
-
-impl RopeDev {
-    fn new(r: &Rope, s: sys::CUstream) -> Result<Self> {
-        let inv = rope_inv_freq(r);
-        Ok(RopeDev {
-            pairs: inv.len(),
-            inv: DevBuf::upload(&inv, s)?,
-            freq_scale: r.freq_scale(),
-        })
-    }
-}
-
-struct CompDev {
-    /// Column of this compressor's kv in the layer's projection output (gate follows at +od).
-    col: usize,
-    ratio: usize,
-    hd: usize,
-    od: usize,
-    ape: DevBuf,
-    norm: DevBuf,
-    rope: RopeDev,
-}
-
-enum LayerDev {
-    V4 {
-        w: DevBuf,
-        ntot: usize,
-        hd: usize,
-        size: usize,
-        eps: f32,
-        kv_norm: DevBuf,
-        rope: RopeDev,
-        comps: Vec<CompDev>,
-    },
-    Mla {
-        w: DevBuf,
-        ntot: usize,
-        rank: usize,
-        rope_dim: usize,
-        eps: f32,
-        norm: DevBuf,
-        rope: RopeDev,
-        mscale: Option<f32>,
-    },
-}
-
-impl LayerDev {
-    fn w(&self) -> (&DevBuf, usize) {
-        match self {
-            LayerDev::V4 { w, ntot, .. } | LayerDev::Mla { w, ntot, .. } => (w, *ntot),
-        }
-    }
-}
-
-fn bf16_of(l: &Linear, out: &mut Vec<bf16>) {
-    // The weights are bf16 or dequantized MX values, all exact in bf16.
-    out.extend(l.w.iter().map(|&v| bf16::from_f32(v)));
-}
-
-/// The decoder's projection weights and norms, resident on one GPU.
-pub struct GpuModel {
-    pub dev: Arc<GpuDevice>,
-    pub weights: Arc<DecoderWeights>,
-    layers: Vec<LayerDev>,
-    hidden: usize,
-    _stream: Stream,
-}
-
-impl GpuModel {
-    /// Upload `weights` to device `ordinal` (once per process and fingerprint: later calls share it).
-    pub fn shared(weights: Arc<DecoderWeights>, ordinal: usize) -> Result<Arc<GpuModel>> {
-        /// (fingerprint, device) → the resident model.
-        type Registry = Mutex<Vec<((String, usize), Arc<GpuModel>)>>;
-        static MODELS: OnceLock<Registry> = OnceLock::new();
-        let mut m = MODELS
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let key = (weights.fingerprint.clone(), ordinal);
-        if let Some((_, g)) = m.iter().find(|(k, _)| *k == key) {
-            return Ok(g.clone());
-        }
-        let g = Arc::new(GpuModel::new(weights, ordinal)?);
-        m.push((key, g.clone()));
-        Ok(g)
-    }
-
-    pub fn new(weights: Arc<DecoderWeights>, ordinal: usize) -> Result<GpuModel> {
-        let dev = GpuDevice::get(ordinal)?;
-        dev.bind()?;
-        let stream = Stream::new()?;
-        let s = stream.0;
-        let mut layers = Vec::new();
-        match &weights.plan {
-            ModelPlan::DeepseekV4(p) => {
-                for (i, lw) in weights.layers.iter().enumerate() {
-                    let LayerWeights::V4(lw) = lw else {
-                        unreachable!("weights follow the plan")
-                    };
-                    let ratio = p.compress_ratios[i];
-                    let kind = p.layer_kind(i);
-                    let yarn = p.yarn.as_ref();
-                    let wrope = match kind {
-                        V4LayerKind::Window => {
-                            Rope::deepseek_v4(p.rope_head_dim, p.rope_theta, None, 1)
-                        }
-                        _ => Rope::deepseek_v4(p.rope_head_dim, p.compress_rope_theta, yarn, 1),
-                    };
-                    let prope = Rope::deepseek_v4(
-                        p.rope_head_dim,
-                        p.compress_rope_theta,
-                        yarn,
-                        ratio.max(1),
-                    );
-                    let mut w = Vec::new();
-                    bf16_of(&lw.wkv, &mut w);
-                    let mut col = p.head_dim;
-                    let mut comps = Vec::new();
-                    let add = |cw: &CompressorWeights,
-                               hd: usize,
-                               w: &mut Vec<bf16>,
-                               col: &mut usize|
-                     -> Result<CompDev> {
-                        let od = cw.wkv.out_dim;
-                        bf16_of(&cw.wkv, w);
-                        bf16_of(&cw.wgate, w);
-                        let c = CompDev {
-                            col: *col,
-                            ratio,
-                            hd,
-                            od,
-                            ape: DevBuf::upload(&cw.ape, s)?,
-                            norm: DevBuf::upload(&cw.norm, s)?,
-                            rope: RopeDev::new(&prope, s)?,
-                        };
-                        *col += 2 * od;
-                        Ok(c)
-                    };
-                    if let Some(cw) = &lw.compressor {
-                        comps.push(add(cw, p.head_dim, &mut w, &mut col)?);
-                    }
-                    if let Some(cw) = &lw.indexer {
-                        comps.push(add(cw, p.index_head_dim, &mut w, &mut col)?);
-                    }
-                    layers.push(LayerDev::V4 {
-                        ntot: col,
-                        w: DevBuf::upload(&w, s)?,
-                        hd: p.head_dim,
-                        size: p.sliding_window,
-                        eps: p.rms_norm_eps,
-                        kv_norm: DevBuf::upload(&lw.kv_norm, s)?,
-                        rope: RopeDev::new(&wrope, s)?,
-                        comps,
-                    });
-                }
-            }
-            ModelPlan::Mla(p) => {
-                let (rope, mscale) = match &p.yarn {
-                    Some(y) => {
-                        let m = y.magnitude();
-                        (
-                            Rope::mla_yarn(p.rope_head_dim, p.rope_theta, y),
-                            (m != 1.0).then(|| round_bf16(m as f32).to_f32()),
-                        )
-                    }
-                    None => (Rope::plain(p.rope_head_dim, p.rope_theta), None),
-                };
-                for lw in &weights.layers {
-                    let LayerWeights::Mla(lw) = lw else {
-                        unreachable!("weights follow the plan")
-                    };
-                    let mut w = Vec::new();
-                    bf16_of(&lw.kv_a, &mut w);
-                    layers.push(LayerDev::Mla {
-                        ntot: p.kv_lora_rank + p.rope_head_dim,
-                        w: DevBuf::upload(&w, s)?,
-                        rank: p.kv_lora_rank,
-                        rope_dim: p.rope_head_dim,
-                        eps: p.latent_norm_eps,
-                        norm: DevBuf::upload(&lw.kv_a_norm, s)?,
-                        rope: RopeDev::new(&rope, s)?,
-                        mscale,
-                    });
-                }
-            }
-        }
-        stream.sync()?;
-        let hidden = weights.plan.hidden_size();
-        Ok(GpuModel {
-            dev,
-            weights,
-            layers,
-            hidden,
-            _stream: stream,
-        })
-    }
-
-    pub fn hidden_size(&self) -> usize {
-        self.hidden
-    }
-
-    pub fn num_layers(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// Multiply-adds per token over all layers (the projections' FLOPs are twice this).
-    pub fn macs_per_token(&self) -> usize {
-        self.layers.iter().map(|l| l.w().1 * self.hidden).sum()
-    }
-}
 
 /// Rows `[first, first + rows)` (tokens, or pool rows) of `width` bf16 values at `ptr`.
 #[derive(Clone, Copy, Debug)]
@@ -349,24 +123,19 @@ impl Drop for GpuCache {
     }
 }
 
-/// Post streams when `PD_BRIDGE_GPU_POST_STREAMS` is unset. On the H200 (DeepSeek-V4-Flash
-/// shapes, 2048-token chunks) 1 stream gave 49% of the GEMM roofline, 4 gave 56%, 8 gave 58%
-/// at high priority and 60–61% at normal priority.
-const DEFAULT_POST_STREAMS: usize = 8;
-
 impl GpuCache {
-    pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, mode: GemmMode) -> Result<Self> {
-        // PD_BRIDGE_GPU_SLOTS: projection-output slots (at least one more than the post streams;
-        // 16 instead of 9 measured no faster on the H200).
-        let nposts = std::env::var("PD_BRIDGE_GPU_POST_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(DEFAULT_POST_STREAMS).clamp(1, 8);
+    /// A cache on `model`'s device with `options`' GEMM mode, post streams, slots and stream
+    /// priority (see [`CaptureOptions`]).
+    pub fn new(model: Arc<GpuModel>, steps: DecoderSteps, options: &CaptureOptions) -> Result<Self> {
+        let mode = options.gemm;
+        let nposts = options.post_streams_used();
         // A slot is reused only when the kernels that read it are done: one more slot than post
         // streams lets every post stream hold a layer while the GEMMs go on.
-        let slots = std::env::var("PD_BRIDGE_GPU_SLOTS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(2).max(nposts + 1);
+        let slots = options.slots_used();
         model.dev.bind()?;
         let stream = Stream::new()?;
-        // `PD_BRIDGE_GPU_POST_PRIORITY=1`: post streams at high priority (measured slower with
-        // several post streams: they then crowd out the GEMMs).
-        let high = std::env::var("PD_BRIDGE_GPU_POST_PRIORITY").is_ok_and(|v| v == "1");
+        // Post streams at high priority: measured slower with several (they crowd out the GEMMs).
+        let high = options.post_priority;
         let post = (0..nposts).map(|_| if high { Stream::high_priority() } else { Stream::new() }).collect::<Result<Vec<_>>>()?;
         let mut h = std::ptr::null_mut();
         let st = unsafe { cb::cublasCreate_v2(&mut h) };
@@ -480,7 +249,7 @@ impl GpuCache {
     pub(crate) fn resume_at(&mut self, carry: &CarryState) -> Result<bool> {
         let s = carry.position;
         if carry.layers.len() != self.layers.len() || self.layers.iter().any(|l| l.processed != 0) {
-            return Err(CoreError::config("cuda", format!("a carry state of {} layers cannot seed this cache of {} (or it was fed already)", carry.layers.len(), self.layers.len())));
+            return Err(CoreError::device(DeviceFailure::Capture, format!("a carry state of {} layers cannot seed this cache of {} (or it was fed already)", carry.layers.len(), self.layers.len())));
         }
         let carried = self.steps.overlap == Overlap::Carried;
         // Check everything before changing anything.
@@ -494,20 +263,20 @@ impl GpuCache {
                             return Ok(false);
                         }
                         if p.width != cd.od || p.pooled_rows != s / cd.ratio {
-                            return Err(CoreError::config("cuda", format!("layer {i}: the carry state's pool {ci} ({} rows of width {}) does not fit the GPU's ({} of width {})", p.pooled_rows, p.width, s / cd.ratio, cd.od)));
+                            return Err(CoreError::device(DeviceFailure::Capture, format!("layer {i}: the carry state's pool {ci} ({} rows of width {}) does not fit the GPU's ({} of width {})", p.pooled_rows, p.width, s / cd.ratio, cd.od)));
                         }
                         // The stash row of a token is its raw kv | gate, as the kernels read it.
                         if let (true, 4, Some([kv, gate])) = (carried, cd.ratio, &p.prev) {
                             let od = cd.od;
                             if kv.len() != 4 * od || gate.len() != 4 * od {
-                                return Err(CoreError::config("cuda", format!("layer {i}: the carried previous window is not 4 rows of width {od}")));
+                                return Err(CoreError::device(DeviceFailure::Capture, format!("layer {i}: the carried previous window is not 4 rows of width {od}")));
                             }
                             let rows: Vec<bf16> = (0..4).flat_map(|r| kv[r * od..(r + 1) * od].iter().chain(&gate[r * od..(r + 1) * od]).copied()).collect();
                             stashes.push((i, ci, rows));
                         }
                     }
                 }
-                _ => return Err(CoreError::config("cuda", format!("layer {i}: the carry state is for another kind of layer"))),
+                _ => return Err(CoreError::device(DeviceFailure::Capture, format!("layer {i}: the carry state is for another kind of layer"))),
             }
         }
         self.model.dev.bind()?;
@@ -634,48 +403,6 @@ impl GpuCache {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn norm_rope(
-        &self,
-        s: sys::CUstream,
-        src: u64,
-        src_stride: usize,
-        dst: u64,
-        dst_stride: usize,
-        rows: usize,
-        dim: usize,
-        norm: Option<(u64, f32)>,
-        mscale: Option<f32>,
-        rope: Option<(&RopeDev, usize)>,
-    ) -> Result<()> {
-        let (wp, eps, dn) = norm.map_or((0u64, 0f32, 0i32), |(w, e)| (w, e, 1));
-        let (ms, dm) = mscale.map_or((1f32, 0i32), |m| (m, 1));
-        let (inv, pairs, pos0) = rope.map_or((0u64, 0i32, 0i64), |(r, p)| {
-            (r.inv.ptr, r.pairs as i32, p as i64)
-        });
-        let mut a = Args::new()
-            .p(src)
-            .p(src_stride as i64)
-            .p(dst)
-            .p(dst_stride as i64)
-            .p(dim as i32)
-            .p(wp)
-            .p(eps)
-            .p(dn)
-            .p(ms)
-            .p(dm)
-            .p(inv)
-            .p(pairs)
-            .p(pos0);
-        self.model.dev.launch(
-            "norm_rope",
-            (rows as u32, 1, 1),
-            256,
-            s,
-            &mut a.ptrs(),
-        )
-    }
-
     /// Queue one chunk of `layer` (rows at device pointer `x`, tokens from `start`).
     fn feed_rows(&mut self, layer: usize, start: usize, x: u64, rows: usize) -> Result<()> {
         let n_layers = self.layers.len();
@@ -716,269 +443,6 @@ impl GpuCache {
         self.feed_post(layer, start, rows, y, ntot)?;
         self.ev_post[slot].record(s)?;
         self.layers[layer].processed = end;
-        Ok(())
-    }
-
-    /// The kernels after the projections (on the post stream): window, pools, MLA rows.
-    fn feed_post(&mut self, layer: usize, start: usize, rows: usize, y: u64, ntot: usize) -> Result<()> {
-        let bf16_sum = self.steps.pool_sum == PoolSum::Bf16;
-        let model = self.model.clone();
-        let s = self.post_stream(layer);
-        let pi = self.post_of(layer);
-        let end = start + rows;
-        match &model.layers[layer] {
-            LayerDev::V4 {
-                hd,
-                size,
-                eps,
-                kv_norm,
-                rope,
-                comps,
-                ..
-            } => {
-                let hd = *hd;
-                let retain = crate::geometry::window_retain(crate::format::WindowRows::Raw, *size, self.steps.step);
-                let nw = match self.window_rows {
-                    WindowRows::All => rows,
-                    WindowRows::Retained => rows.min(retain),
-                };
-                let first = rows - nw;
-                // Window rows: kv_norm(wkv(x)) rotated at their positions.
-                let lr = &mut self.layers[layer];
-                let dst = if self.window_rows == WindowRows::All {
-                    lr.chunk_win.reserve(nw * hd * BF)?;
-                    lr.chunk_win_span = (start + first, nw);
-                    lr.chunk_win.ptr
-                } else {
-                    self.wtmp[pi].reserve(nw * hd * BF)?;
-                    self.wtmp[pi].ptr
-                };
-                self.norm_rope(
-                    s,
-                    y + (first * ntot * BF) as u64,
-                    ntot,
-                    dst,
-                    hd,
-                    nw,
-                    hd,
-                    Some((kv_norm.ptr, *eps)),
-                    None,
-                    Some((rope, start + first)),
-                )?;
-                // The retained window: the last `retain` rows of (old ++ new).
-                let lr = &mut self.layers[layer];
-                let total = (lr.win_rows + nw).min(retain);
-                let from_new = nw.min(total);
-                let from_old = total - from_new;
-                let nxt = 1 - lr.cur;
-                lr.win[nxt].reserve(retain * hd * BF)?;
-                let (old, newb) = (lr.win[lr.cur].ptr, lr.win[nxt].ptr);
-                if from_old > 0 {
-                    ck("window copy", unsafe {
-                        sys::cuMemcpyDtoDAsync_v2(
-                            newb,
-                            old + ((lr.win_rows - from_old) * hd * BF) as u64,
-                            from_old * hd * BF,
-                            s,
-                        )
-                    })?;
-                }
-                ck("window copy", unsafe {
-                    sys::cuMemcpyDtoDAsync_v2(
-                        newb + (from_old * hd * BF) as u64,
-                        dst + ((nw - from_new) * hd * BF) as u64,
-                        from_new * hd * BF,
-                        s,
-                    )
-                })?;
-                lr.cur = nxt;
-                lr.win_rows = total;
-                for (ci, c) in comps.iter().enumerate() {
-                    let r = c.ratio;
-                    let overlap = r == 4;
-                    let base0 = start / r * r;
-                    let windows = end / r - start / r;
-                    let sw = 2 * c.od;
-                    let (stash, seq0) = {
-                        let cr = &self.layers[layer].comps[ci];
-                        (cr.stash[cr.cur].ptr, (start - cr.stash_rows) as i64)
-                    };
-                    if self.window_rows == WindowRows::All {
-                        // Streaming: the previous chunk's pool rows were handed out.
-                        let cr = &mut self.layers[layer].comps[ci];
-                        cr.drained += cr.pooled_rows;
-                        cr.pooled_rows = 0;
-                    }
-                    let ycol = c.col as i32;
-                    // The fork restarts the ratio-4 overlap at every decoder call; upstream carries
-                    // it (the kernel sees one call spanning everything).
-                    let call_step = if self.steps.overlap == Overlap::Carried { i32::MAX } else { self.steps.step as i32 };
-                    if overlap && self.window_rows == WindowRows::All && self.steps.overlap == Overlap::Carried {
-                        // Each step boundary in (start, end] ends a block: keep its previous
-                        // window's raw rows (the segment carries them), before the stash moves on.
-                        let step = self.steps.step;
-                        let (k0, k1) = (start / step + 1, end / step);
-                        let cr = &mut self.layers[layer].comps[ci];
-                        cr.prev_first = k0;
-                        cr.prev_count = (k1 + 1).saturating_sub(k0);
-                        if cr.prev_count > 0 {
-                            cr.prev.reserve(cr.prev_count * r * sw * BF)?;
-                            for (i, k) in (k0..=k1).enumerate() {
-                                let mut a = Args::new()
-                                    .p(y)
-                                    .p(ntot as i64)
-                                    .p(ycol)
-                                    .p(start as i64)
-                                    .p(stash)
-                                    .p(seq0)
-                                    .p(sw as i32)
-                                    .p((k * step - r) as i64)
-                                    .p(r as i32)
-                                    .p(cr.prev.ptr + (i * r * sw * BF) as u64);
-                                model.dev.launch("gather_rows", (r as u32, 1, 1), 256, s, &mut a.ptrs())?;
-                            }
-                        }
-                    }
-                    if windows > 0 {
-                        self.ptmp[pi].reserve(windows * c.hd * BF)?;
-                        let out = self.ptmp[pi].ptr;
-                        let grid = (c.hd.div_ceil(128) as u32, windows as u32, 1);
-                        if overlap {
-                            let mut a = Args::new()
-                                .p(y)
-                                .p(ntot as i64)
-                                .p(ycol)
-                                .p(start as i64)
-                                .p(stash)
-                                .p(seq0)
-                                .p(base0 as i64)
-                                .p(windows as i32)
-                                .p(c.hd as i32)
-                                .p(c.ape.ptr)
-                                .p(call_step)
-                                .p(bf16_sum as i32)
-                                .p(out);
-                            model
-                                .dev
-                                .launch("pool_overlap", grid, 128, s, &mut a.ptrs())?;
-                        } else {
-                            if r > 128 {
-                                return Err(CoreError::config(
-                                    "compress_ratios",
-                                    format!("the GPU path pools ratios up to 128, not {r}"),
-                                ));
-                            }
-                            let mut a = Args::new()
-                                .p(y)
-                                .p(ntot as i64)
-                                .p(ycol)
-                                .p(start as i64)
-                                .p(stash)
-                                .p(seq0)
-                                .p(base0 as i64)
-                                .p(windows as i32)
-                                .p(c.hd as i32)
-                                .p(r as i32)
-                                .p(c.ape.ptr)
-                                .p(bf16_sum as i32)
-                                .p(out);
-                            let g = (c.hd.div_ceil(32) as u32, windows as u32, 1);
-                            model.dev.launch2("pool_simple", g, (32, 8), s, &mut a.ptrs())?;
-                        }
-                        let cr = &mut self.layers[layer].comps[ci];
-                        cr.pooled.grow_keep(
-                            (cr.pooled_rows + windows) * c.hd * BF,
-                            cr.pooled_rows * c.hd * BF,
-                        )?;
-                        let dst = cr.pooled.ptr + (cr.pooled_rows * c.hd * BF) as u64;
-                        cr.pooled_rows += windows;
-                        self.norm_rope(
-                            s,
-                            out,
-                            c.hd,
-                            dst,
-                            c.hd,
-                            windows,
-                            c.hd,
-                            Some((c.norm.ptr, *eps)),
-                            None,
-                            Some((&c.rope, base0 / c.rope.freq_scale)),
-                        )?;
-                    }
-                    // The new stash: the remainder, and for ratio 4 the last complete window too.
-                    let rem = end % r;
-                    let keep = rem + if overlap { r.min(end - rem) } else { 0 };
-                    let cr = &mut self.layers[layer].comps[ci];
-                    let nxt = 1 - cr.cur;
-                    cr.stash[nxt].reserve(2 * r * sw * BF)?;
-                    let dstp = cr.stash[nxt].ptr;
-                    let mut a = Args::new()
-                        .p(y)
-                        .p(ntot as i64)
-                        .p(ycol)
-                        .p(start as i64)
-                        .p(stash)
-                        .p(seq0)
-                        .p(sw as i32)
-                        .p((end - keep) as i64)
-                        .p(keep as i32)
-                        .p(dstp);
-                    model
-                        .dev
-                        .launch("gather_rows", (keep as u32, 1, 1), 256, s, &mut a.ptrs())?;
-                    cr.cur = nxt;
-                    cr.stash_rows = keep;
-                }
-            }
-            LayerDev::Mla {
-                rank,
-                rope_dim,
-                eps,
-                norm,
-                rope,
-                mscale,
-                ..
-            } => {
-                let (rank, rd) = (*rank, *rope_dim);
-                let lr = &mut self.layers[layer];
-                if self.window_rows == WindowRows::All {
-                    // Streaming: the previous chunk's rows were handed out.
-                    lr.mla_base = lr.processed;
-                }
-                let held = lr.processed - lr.mla_base;
-                lr.latent
-                    .grow_keep((held + rows) * rank * BF, held * rank * BF)?;
-                lr.kpe.grow_keep((held + rows) * rd * BF, held * rd * BF)?;
-                let (lat, kpe) = (
-                    lr.latent.ptr + (held * rank * BF) as u64,
-                    lr.kpe.ptr + (held * rd * BF) as u64,
-                );
-                self.norm_rope(
-                    s,
-                    y,
-                    ntot,
-                    lat,
-                    rank,
-                    rows,
-                    rank,
-                    Some((norm.ptr, *eps)),
-                    None,
-                    None,
-                )?;
-                self.norm_rope(
-                    s,
-                    y + (rank * BF) as u64,
-                    ntot,
-                    kpe,
-                    rd,
-                    rows,
-                    rd,
-                    None,
-                    *mscale,
-                    Some((rope, start)),
-                )?;
-            }
-        }
         Ok(())
     }
 

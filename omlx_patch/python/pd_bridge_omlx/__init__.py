@@ -16,6 +16,7 @@ from ._native import (  # noqa: F401
     BlockWriter,
     CacheBuilder,
     ConfigError,
+    DeviceError,
     IngestControl,
     InputError,
     InternalError,

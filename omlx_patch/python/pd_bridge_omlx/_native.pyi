@@ -35,6 +35,11 @@ class WireError(PdBridgeError):
 class AuthError(PdBridgeError):
     """A peer that does not prove the shared token."""
 
+class DeviceError(PdBridgeError):
+    """The GPU path failed, or was asked for where there is none. The message starts with what
+    failed: ``device, built without CUDA``, ``CUDA library``, ``no CUDA device``, ``out of
+    memory``, ``CUDA driver``, ``cuBLAS``, ``NVRTC`` or ``GPU capture``."""
+
 class InternalError(PdBridgeError):
     """A bug in pd-bridge (a Rust panic), caught at the boundary: the engine keeps running. Never
     pyo3's ``PanicException`` (a ``BaseException``)."""

@@ -15,6 +15,7 @@ from ._native import (  # noqa: F401
     AuthError,
     Capture,
     ConfigError,
+    DeviceError,
     InputError,
     InternalError,
     PdBridgeError,
