@@ -46,6 +46,11 @@ def test_pipeline_and_data_parallelism_are_refused_naming_the_setting():
         setattr(pc, name, 2)
         with pytest.raises(ValueError, match=f"{name}=2 is not supported"):
             check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
+    # A dense model's data-parallel engines each read data_parallel_size=1; the rank is in the index.
+    pc = ParallelConfig()
+    pc.data_parallel_index = 1
+    with pytest.raises(ValueError, match=r"data-parallel rank 1 \(data_parallel_index\): data parallelism is not supported"):
+        check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
 
 
 def test_feed_ptr_equals_feed_bytes(tmp_path):

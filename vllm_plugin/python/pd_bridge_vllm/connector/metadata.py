@@ -43,6 +43,14 @@ def check_engine_settings(vllm_config) -> None:
         n = int(getattr(pc, name, 1) or 1)
         if n > 1:
             raise ValueError(f"PdBridgeConnector: {name}={n} is not supported (tensor parallelism is: TP rank 0 captures); run the prefill host with {name}=1")
+    # For a dense model vLLM runs each data-parallel rank as an independent engine whose
+    # data_parallel_size reads 1; only data_parallel_index keeps the rank.
+    index = int(getattr(pc, "data_parallel_index", 0) or 0)
+    if index > 0:
+        raise ValueError(
+            f"PdBridgeConnector: data-parallel rank {index} (data_parallel_index): data parallelism is not supported "
+            "(every rank would bind the same segment port); run the prefill host with data_parallel_size=1"
+        )
 
 
 def check_compilation(vllm_config, op_name: str) -> None:
