@@ -44,6 +44,11 @@ _SEALING = "sealing"
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
 
 
+def _segment_bytes(wc: _WorkerCapture) -> int:
+    """Bytes of segments the capture has made (0 without a native capture)."""
+    return int(getattr(wc.capture, "segment_bytes", 0) or 0) if wc.capture is not None else 0
+
+
 def _graph_rows(vllm_config) -> int:
     """The largest batch (in tokens) vLLM may run as a replayed CUDA graph; 0 when it runs none
     (eager, or no graphs). Within that size the tap's rows may live in graph-pool memory."""
@@ -231,8 +236,8 @@ class PdBridgeConnectorWorker:
                 if skip < ch.num_tokens:
                     # A plain descriptor for the core: pointer and length of contiguous bf16 rows.
                     x = hidden_states[row + skip : row + ch.num_tokens].to(torch.bfloat16).contiguous()
-                    if x.device.type == "cuda" and hidden_states.shape[0] <= self._graph_rows and x.data_ptr() >= hidden_states.data_ptr() \
-                            and x.data_ptr() < hidden_states.data_ptr() + hidden_states.numel() * hidden_states.element_size():
+                    if x.device.type == "cuda" and hidden_states.shape[0] <= self._graph_rows \
+                            and x.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr():
                         # A step vLLM may replay as piecewise CUDA graphs: the rows are a view of a
                         # graph's output, whose memory a later piece of the same step reuses
                         # before the side stream reads it. Copy them on vLLM's stream first.
@@ -365,7 +370,7 @@ class PdBridgeConnectorWorker:
         after = f" ({latency * 1e3:.3f} ms after the step's forward, which ended at unix {time.time() - latency:.6f})" if latency is not None else ""
         # What it cost: bytes shipped, host time on the forward thread, and (GPU path) the
         # engine's buffers newly allocated since the previous seal in this process.
-        cost = f" [bytes={int(getattr(wc.capture, 'segment_bytes', 0) or 0) if wc.capture is not None else 0} forward_thread_ms={wc.forward_s * 1e3:.3f}"
+        cost = f" [bytes={_segment_bytes(wc)} forward_thread_ms={wc.forward_s * 1e3:.3f}"
         if getattr(wc.capture, "side_stream", None) is not None:
             gt = gpu_capture_times(True)
             cost += f" new_buffers={gt.get('new_buffers', 0)} gpu_host_ms={sum(v for k, v in gt.items() if k.endswith('_s')) * 1e3:.3f}"
@@ -375,7 +380,7 @@ class PdBridgeConnectorWorker:
             self._dump(f"{wc.spec.request_id}.verdict.json", verdict.encode(), append=True)
 
     def _record(self, wc: _WorkerCapture, verdict: dict, latency: float | None) -> None:
-        nbytes = int(getattr(wc.capture, "segment_bytes", 0) or 0) if wc.capture is not None else 0
+        nbytes = _segment_bytes(wc)
         # A resumed capture's seal counts the blocks the decode host already held; shipped are the rest.
         resumed_at = int(getattr(wc.capture, "resumed_at", 0) or 0) if wc.capture is not None else 0
         shipped = max(0, int(verdict.get("blocks") or 0) - resumed_at // max(1, wc.spec.block_size))
