@@ -22,6 +22,11 @@ use common::temp_dir;
 
 const CHILD_ENV: &str = "PD_TEST_SWEEP_CHILD";
 
+/// Held while a child is spawned. Between fork and exec a child holds a copy of every open file
+/// of this process, the other tests' temp files included, and with them their `flock`s; a test
+/// that checks a lock was released holds this so that no spawn shares its file meanwhile.
+static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// In a child: `write:<block path>:<marker>` writes a block under its temp name and holds it
 /// pending; `hold:<file>:<marker>` opens a file and holds `flock(LOCK_EX)` on it. Either then
 /// creates the marker and waits for its stdin to close (or for SIGKILL).
@@ -49,6 +54,7 @@ struct ChildProc(Child);
 impl ChildProc {
     fn start(mode: &str, target: &Path, dir: &Path) -> ChildProc {
         let marker = dir.join(format!("ready-{mode}"));
+        let spawning = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
         let child = Command::new(std::env::current_exe().unwrap())
             .args(["child_process", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, format!("{mode}:{}:{}", target.display(), marker.display()))
@@ -56,6 +62,7 @@ impl ChildProc {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
+        drop(spawning);
         let mut c = ChildProc(child);
         let t0 = Instant::now();
         while !marker.exists() {
@@ -173,6 +180,7 @@ fn an_unlocked_temp_file_is_removed_once_past_the_create_to_lock_window() {
 
 #[test]
 fn the_writer_holds_the_lock_until_the_rename() {
+    let _no_spawn = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
     let dir = temp_dir("sweep-own");
     let block = dir.join("d").join(format!("{}.safetensors", hex()));
     let pending = write_pending(&block, &[Tensor::zero_f32("x".into())], &[]).unwrap();
