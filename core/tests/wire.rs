@@ -94,13 +94,67 @@ fn only_the_token_and_this_captures_secret_prompt_and_weights_pull_it() {
         }
     }
     // A capture id nobody registered is refused after the wait for it to start.
-    let short = server(ServerConfig { idle: Duration::from_millis(300), ..config() });
+    let short = server(ServerConfig { queue_wait: Duration::from_millis(300), ..config() });
     assert!(matches!(pull_events(short.local_addr(), TOKEN, &s, "req", FP, &prompt()), Err(CoreError::Auth(_))));
     // The refused attempts took nothing: the holder of the secret gets everything.
     assert_eq!(pull_events(addr, TOKEN, &s, "req", FP, &prompt()).unwrap(), vec![0, 1]);
     assert!(ob.closed_reason().is_none(), "{:?}", ob.closed_reason());
     wait_until("the sent outbox is dropped", Duration::from_secs(5), || srv.outboxes() == 0);
     assert_eq!(srv.queued_bytes(), 0);
+}
+
+/// A request vLLM queues behind others: the pull comes long before the capture starts, and the
+/// capture's steps come slowly; each gap is longer than the decode host's idle deadline, and the
+/// server's keepalives keep it from reading the busy host as a silent one.
+#[test]
+fn a_queued_and_slow_capture_outlasts_the_decode_hosts_idle_deadline() {
+    let srv = Arc::new(server(ServerConfig { keepalive: Duration::from_millis(100), queue_wait: Duration::from_secs(60), ..config() }));
+    let s = secret(0x11);
+    let tokens: Vec<u32> = (0..16).collect();
+    let gap = Duration::from_secs(4);
+    let late = {
+        let (srv, s, p) = (srv.clone(), s.clone(), PromptDigest::of(&tokens));
+        std::thread::spawn(move || {
+            std::thread::sleep(gap);
+            let ob = srv.outbox("req", &s, FP, &p).unwrap();
+            assert!(ob.push(seg("req", 0)));
+            std::thread::sleep(gap);
+            assert!(ob.push(seg("req", 1)));
+            ob.seal(Seal::Complete { blocks: 2, tokens: 16 });
+        })
+    };
+    let dir = common::temp_dir("wire-queued");
+    let writer = BlockWriter::new(&dir, "/m", 8, &tokens).unwrap();
+    let p = Pull { addrs: vec![srv.local_addr()], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: gap / 2 };
+    let got = ingest(&p, &writer, &IngestControl::default(), |_| {});
+    late.join().unwrap();
+    assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 2, tokens: 16 });
+    assert_eq!(got.blocks, 2);
+}
+
+/// A pull that comes after its capture was dropped is told why at once, not held for the
+/// queue wait and then refused as unknown.
+#[test]
+fn a_pull_after_its_capture_was_dropped_is_refused_at_once_with_the_reason() {
+    let srv = server(ServerConfig { grace: Duration::from_millis(200), queue_wait: Duration::from_secs(600), ..config() });
+    let s = secret(0x11);
+    capture(&srv, "late", &s);
+    wait_until("the unpulled capture is dropped", Duration::from_secs(5), || srv.outboxes() == 0);
+    match pull_events(srv.local_addr(), TOKEN, &s, "late", FP, &prompt()) {
+        Err(CoreError::Auth(m)) => assert!(m.contains("no longer here") && m.contains("not pulled within"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // Pulled to the end: a second pull hears that.
+    capture(&srv, "twice", &s);
+    assert_eq!(pull_events(srv.local_addr(), TOKEN, &s, "twice", FP, &prompt()).unwrap(), vec![0, 1]);
+    wait_until("the sent capture leaves", Duration::from_secs(5), || srv.outboxes() == 0);
+    match pull_events(srv.local_addr(), TOKEN, &s, "twice", FP, &prompt()) {
+        Err(CoreError::Auth(m)) => assert!(m.contains("already pulled"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // A new capture under a buried id is pullable again.
+    capture(&srv, "late", &s);
+    assert_eq!(pull_events(srv.local_addr(), TOKEN, &s, "late", FP, &prompt()).unwrap(), vec![0, 1]);
 }
 
 /// A server that does not know the token, standing in for the prefill host: it answers the hello

@@ -214,7 +214,9 @@ def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
     """A vLLM engine for the tiny model with PdBridgeConnector serving segments on ``port``.
 
     Prefix caching is off (the connector refuses it: it skips prompt tokens) and the engine is
-    eager (the taps are Python); ``engine`` adds or overrides ``LLM`` arguments.
+    eager (the taps are Python); ``engine`` adds or overrides ``LLM`` arguments. These tests pull
+    only after ``generate`` returns every batch, so a capture is kept unpulled for 15 minutes (the
+    default grace, 30 s after the seal, is shorter than a loaded machine's batches).
     """
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -229,7 +231,8 @@ def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
             kv_connector="PdBridgeConnector",
             kv_connector_module_path="pd_bridge_vllm.connector",
             kv_role="kv_producer",
-            kv_connector_extra_config={"weights": mlx_dir, "port": port, "token": token, "address": "127.0.0.1"},
+            kv_connector_extra_config={"weights": mlx_dir, "port": port, "token": token, "address": "127.0.0.1",
+                                       "capture_grace_s": 900, "capture_pull_timeout_s": 900},
         ),
     )
     args.update(engine)

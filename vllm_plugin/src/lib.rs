@@ -72,19 +72,22 @@ fn seconds(name: &str, v: f64) -> PyResult<Duration> {
 
 #[pymethods]
 impl SegmentServer {
-    /// `idle_seconds`: how long a stream waits for the next segment (and a pull for its capture
-    /// to start); `handshake_seconds`: a connection's deadline to finish the handshake;
+    /// `idle_seconds`: how long a stream waits for the next segment; `queue_wait_seconds`: how
+    /// long a pull waits for its capture to start (vLLM may queue the request); `keepalive_seconds`:
+    /// how often a waiting pull is told the host is alive; `handshake_seconds`: a connection's deadline to finish the handshake;
     /// `max_connections`: open connections at once; `grace_seconds`: how long a sealed capture
     /// nobody pulled is kept; `pull_timeout_seconds`: how long any capture nobody pulled is kept;
     /// `memory_bytes`: segment bytes all captures may hold together before the oldest unpulled
     /// ones are dropped.
     #[new]
-    #[pyo3(signature = (address, token, idle_seconds=60.0, *, handshake_seconds=10.0, max_connections=64, grace_seconds=30.0, pull_timeout_seconds=120.0, memory_bytes=1u64 << 30))]
+    #[pyo3(signature = (address, token, idle_seconds=60.0, *, queue_wait_seconds=600.0, keepalive_seconds=5.0, handshake_seconds=10.0, max_connections=64, grace_seconds=30.0, pull_timeout_seconds=120.0, memory_bytes=1u64 << 30))]
     #[allow(clippy::too_many_arguments)]
-    fn new(address: &str, token: Vec<u8>, idle_seconds: f64, handshake_seconds: f64, max_connections: usize, grace_seconds: f64, pull_timeout_seconds: f64, memory_bytes: u64) -> PyResult<Self> {
+    fn new(address: &str, token: Vec<u8>, idle_seconds: f64, queue_wait_seconds: f64, keepalive_seconds: f64, handshake_seconds: f64, max_connections: usize, grace_seconds: f64, pull_timeout_seconds: f64, memory_bytes: u64) -> PyResult<Self> {
         guard(|| {
             let config = ServerConfig {
                 idle: seconds("idle_seconds", idle_seconds)?,
+                queue_wait: seconds("queue_wait_seconds", queue_wait_seconds)?,
+                keepalive: seconds("keepalive_seconds", keepalive_seconds)?,
                 handshake: seconds("handshake_seconds", handshake_seconds)?,
                 max_connections,
                 grace: seconds("grace_seconds", grace_seconds)?,

@@ -9,7 +9,9 @@
 //! [`crate::ingest`].
 //!
 //! Bounded state, each bound in one module: at most [`ServerConfig::max_connections`]
-//! connections ([`slots`]), each with a handshake deadline however slowly its peer sends; segment
+//! connections ([`slots`]), each with a handshake deadline however slowly its peer sends, and a
+//! pull waiting for its capture to start for at most [`ServerConfig::queue_wait`] (telling the
+//! decode host every [`ServerConfig::keepalive`] that it is still waiting); segment
 //! bytes of all outboxes together ([`memory`]); an outbox ([`outboxes`]) is dropped once its seal
 //! is sent, when its reader goes away, when nobody pulled it within the grace after its seal (or
 //! within the pull timeout), and — oldest unpulled first — when all outboxes together hold more
@@ -196,7 +198,7 @@ fn serve(stream: TcpStream, outboxes: &Outboxes) {
         }
     };
     let request_id = hello.request_id.clone();
-    let (outbox, matched) = match outboxes.find(&hello, config.idle) {
+    let (outbox, matched) = match outboxes.find(&hello, config.queue_wait, config.keepalive, || secure::waiting(&mut timed)) {
         Ok(m) => m,
         Err(why) => {
             tracing::warn!(request_id = %request_id, peer = %peer, "refused a pull: {why}");
@@ -221,13 +223,17 @@ fn serve(stream: TcpStream, outboxes: &Outboxes) {
     let _ = ch.get_ref().stream.set_write_timeout(Some(config.idle));
     let mut sent = 0u32;
     let result = (|| -> Result<()> {
+        let mut quiet_since = Instant::now();
         loop {
-            match outbox.next(config.idle) {
+            match outbox.next(config.keepalive.min(config.idle)) {
                 Some(Ok(seg)) => {
                     wire::send_segment(&mut ch, &seg)?;
                     sent += 1;
+                    quiet_since = Instant::now();
                 }
                 Some(Err(seal)) => return wire::send_seal(&mut ch, &seal),
+                // A running capture between segments (a busy engine's step): say so.
+                None if !outbox.is_closed() && quiet_since.elapsed() < config.idle => wire::send_waiting(&mut ch)?,
                 None => {
                     let why = outbox.closed_reason().unwrap_or_else(|| format!("no segment for {:?}", config.idle));
                     let _ = wire::send_error(&mut ch, &why);

@@ -25,6 +25,9 @@ pub enum FrameKind {
     Segment = 3,
     Seal = 4,
     Error = 5,
+    /// Prefill host → decode host, empty: no segment yet, the capture is still running (so
+    /// the decode host's idle deadline measures a silent host, not a busy engine).
+    Waiting = 6,
 }
 
 impl FrameKind {
@@ -34,6 +37,7 @@ impl FrameKind {
             3 => FrameKind::Segment,
             4 => FrameKind::Seal,
             5 => FrameKind::Error,
+            6 => FrameKind::Waiting,
             _ => return None,
         })
     }

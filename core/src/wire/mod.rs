@@ -26,7 +26,7 @@ pub use limits::{max_segment_payload, FrameLimits};
 pub use secure::{CaptureKey, CaptureSecret, PromptDigest, SecureChannel};
 
 pub(crate) const MAGIC: &[u8; 4] = b"PDBW";
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 
 /// How a capture ended.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,7 +85,13 @@ impl<F: FrameSource> SegmentReader<F> {
         if self.sealed {
             return Err(CoreError::wire("the stream is already sealed"));
         }
-        let (kind, payload) = self.inner.next_frame(&self.limits)?;
+        let (kind, payload) = loop {
+            match self.inner.next_frame(&self.limits)? {
+                (FrameKind::Waiting, []) => continue,
+                (FrameKind::Waiting, p) => return Err(CoreError::wire(format!("a waiting frame must be empty, got {} bytes", p.len()))),
+                frame => break frame,
+            }
+        };
         match kind {
             FrameKind::Segment => {
                 let seg = Segment::decode(payload)?;
@@ -147,6 +153,11 @@ pub fn send_segment(w: &mut impl FrameSink, seg: &Segment) -> Result<()> {
 
 pub fn send_seal(w: &mut impl FrameSink, seal: &Seal) -> Result<()> {
     w.send_frame(FrameKind::Seal, &serde_json::to_vec(seal).expect("seal serializes"))
+}
+
+/// No segment yet; the capture is still running.
+pub fn send_waiting(w: &mut impl FrameSink) -> Result<()> {
+    w.send_frame(FrameKind::Waiting, &[])
 }
 
 pub fn send_error(w: &mut impl FrameSink, message: &str) -> Result<()> {

@@ -16,7 +16,9 @@
 //! On the wire, after a clear hello (`"PDBW" | version | 1 | u16 id length | capture id | u16
 //! length | Noise message 1`, the clear part bound into the handshake as its prologue) and the
 //! server's clear answer (`"PDBW" | version | 2 (accept) or 3 (refuse) | u16 length | Noise
-//! message 2 or a reason`), everything is Noise transport messages (`u16 BE length |
+//! message 2 or a reason`, after any number of `"PDBW" | version | 4 (waiting) | u16 0` while the
+//! capture has not started: unauthenticated, so they only keep the decode host's idle deadline
+//! from firing, and its overall deadline still bounds the wait), everything is Noise transport messages (`u16 BE length |
 //! ciphertext`, at most 65,535 bytes), and inside them the frames of [`super::frame`]: a frame
 //! starts a message, longer frames continue over the next ones.
 
@@ -49,6 +51,7 @@ const WRITE_BATCH: usize = 1 << 18;
 const HELLO: u8 = 1;
 const ACCEPT: u8 = 2;
 const REFUSE: u8 = 3;
+const WAITING: u8 = 4;
 
 fn params() -> snow::params::NoiseParams {
     NOISE_PARAMS.parse().expect("the protocol name is valid")
@@ -222,8 +225,15 @@ pub fn connect<S: Read + Write>(mut stream: S, key: &CaptureKey, request_id: &st
     hello.extend_from_slice(&msg[..n]);
     stream.write_all(&hello).and_then(|_| stream.flush()).map_err(io("sending the hello"))?;
 
-    let kind = read_preamble(&mut stream, "the prefill host")?;
-    let len = read_u16(&mut stream, "reading the prefill host's answer")?;
+    let (kind, len) = loop {
+        let kind = read_preamble(&mut stream, "the prefill host")?;
+        let len = read_u16(&mut stream, "reading the prefill host's answer")?;
+        match (kind, len) {
+            (WAITING, 0) => continue,
+            (WAITING, n) => return Err(CoreError::wire(format!("a waiting notice must be empty, got {n} bytes"))),
+            answer => break answer,
+        }
+    };
     match kind {
         ACCEPT if len <= MAX_HANDSHAKE_MESSAGE => {
             stream.read_exact(&mut msg[..len]).map_err(io("reading the prefill host's answer"))?;
@@ -302,6 +312,15 @@ pub fn refuse(w: &mut impl Write, reason: &str) {
     out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
     out.extend_from_slice(reason);
     let _ = w.write_all(&out).and_then(|_| w.flush());
+}
+
+/// Prefill host: tell a client whose capture has not started yet that this host is alive and
+/// still waiting for it. False when the client can no longer be written to.
+pub fn waiting(w: &mut impl Write) -> bool {
+    let mut out = [0u8; 8];
+    out[..4].copy_from_slice(MAGIC);
+    out[4..6].copy_from_slice(&[VERSION, WAITING]);
+    w.write_all(&out).and_then(|_| w.flush()).is_ok()
 }
 
 /// Prefill host: finish the handshake the client's hello matched, then read its pull frame

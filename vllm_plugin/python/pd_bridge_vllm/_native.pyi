@@ -68,6 +68,8 @@ class SegmentServer:
         token: bytes,
         idle_seconds: float = 60.0,
         *,
+        queue_wait_seconds: float = 600.0,
+        keepalive_seconds: float = 5.0,
         handshake_seconds: float = 10.0,
         max_connections: int = 64,
         grace_seconds: float = 30.0,
@@ -75,7 +77,9 @@ class SegmentServer:
         memory_bytes: int = 1 << 30,
     ) -> None:
         """Bind ``address`` (``host:port``; port 0 picks one). ``idle_seconds``: how long a stream
-        waits for the next segment (and a pull for its capture to start); ``handshake_seconds``: a
+        waits for the next segment; ``queue_wait_seconds``: how long a pull waits for its capture
+        to start (vLLM may queue the request behind others); ``keepalive_seconds``: how often a
+        waiting pull hears that the host is alive; ``handshake_seconds``: a
         connection's deadline to finish the handshake, however slowly it sends;
         ``max_connections``: open at once (more are refused); ``grace_seconds``: how long a sealed
         capture nobody pulled is kept; ``pull_timeout_seconds``: how long any unpulled capture is

@@ -136,7 +136,7 @@ class CaptureSpec:
             raise CaptureSpecError(f"{PARAM_KEY}.omlx_format must be a string, got {fmt!r}")
         secret = spec.get("secret")
         if secret is None:
-            raise CaptureSpecError(f"{PARAM_KEY}.secret is missing: the decode host sends a per-request secret (wire version 2; upgrade pd-bridge-omlx)")
+            raise CaptureSpecError(f"{PARAM_KEY}.secret is missing: the decode host sends a per-request secret (wire version 2 and later; upgrade pd-bridge-omlx)")
         if not isinstance(secret, str) or len(secret) != 64 or any(c not in "0123456789abcdefABCDEF" for c in secret):
             raise CaptureSpecError(f"{PARAM_KEY}.secret must be 64 hex digits")
         resume_at, carry = 0, None

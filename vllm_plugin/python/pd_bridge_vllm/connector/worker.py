@@ -124,6 +124,7 @@ class PdBridgeConnectorWorker:
             f"[{address}]:{int(port)}" if ":" in address else f"{address}:{int(port)}",
             tok,
             idle_seconds=float(setting(extra, "segment_idle_s", "PD_BRIDGE_VLLM_SEGMENT_IDLE_S", 60.0)),
+            queue_wait_seconds=float(setting(extra, "capture_queue_wait_s", "PD_BRIDGE_VLLM_CAPTURE_QUEUE_WAIT_S", 600.0)),
             max_connections=int(setting(extra, "max_connections", "PD_BRIDGE_VLLM_MAX_CONNECTIONS", 64)),
             grace_seconds=float(setting(extra, "capture_grace_s", "PD_BRIDGE_VLLM_CAPTURE_GRACE_S", 30.0)),
             pull_timeout_seconds=float(setting(extra, "capture_pull_timeout_s", "PD_BRIDGE_VLLM_CAPTURE_PULL_TIMEOUT_S", 120.0)),
@@ -133,7 +134,7 @@ class PdBridgeConnectorWorker:
         self._graph_rows = _graph_rows(vllm_config)
         tap.set_sink(self)
         logger.info(
-            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v2); model tap %s",
+            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v3); model tap %s",
             weights_dir, self._weights.fingerprint, self._weights.num_layers, self._server.address,
             "installed" if self._tap_ok else "NOT installed (set PD_BRIDGE_VLLM=1)",
         )
