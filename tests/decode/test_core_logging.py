@@ -42,7 +42,7 @@ def wait_for(caplog, match, timeout: float = 60.0) -> logging.LogRecord:
 
 def refused_pull(tmp_path, request_id: str) -> pd_bridge_omlx.PdBridgeError:
     """Ingest ``request_id`` from a real segment server that has no such capture."""
-    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN, idle_seconds=0.5)
+    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", TOKEN, queue_wait_seconds=0.5)
     writer = pd_bridge_omlx.BlockWriter(str(tmp_path / "cache"), "m", 16, list(range(64)), "upstream-0.6.3")
     with pytest.raises(pd_bridge_omlx.PdBridgeError) as err:
         pd_bridge_omlx.ingest("127.0.0.1", server.port, TOKEN, request_id, "sha256:" + "0" * 64, writer, timeout_seconds=30,
