@@ -166,6 +166,10 @@ def engine(a) -> None:
                       "on_off_worst": round(min(r["tok_per_s"] for r in on.values()) / off_med, 3),
                       "extra_ms_median": statistics.median(extra), "extra_ms_worst": max(extra), "extra_ms": extra,
                       "runs": len(on)}
+    # What vLLM's metrics hold for the bridge at the end, as read (the per-run bytes read-back has
+    # been 0 while the seal line's bytes were not: this shows what the reader gets).
+    seen = [(m.name, type(m).__name__, dict(m.labels), getattr(m, "value", None)) for m in llm.get_metrics() if "pd_bridge" in m.name]
+    print("pd_bridge metrics at the end:", json.dumps(seen), flush=True)
     (out / "bench.json").write_text(json.dumps({"engine_start_s": round(start_s, 1), "compiled": a.compiled, "chunk": a.chunk, "omlx_format": a.omlx_format,
                                                 "block_size": block, "runs": runs, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
@@ -211,7 +215,7 @@ def main() -> int:
     import re
 
     seal_ms = {m.group(1): float(m.group(2)) for m in re.finditer(r"capture (\S+) \(request [^)]*\) sealed: .*?\(([0-9.]+) ms after the step's forward", text)}
-    # What each capture cost, from the same line: "[bytes=N forward_thread_ms=X new_buffers=K gpu_host_ms=Y]".
+    # What each capture cost, from the same line: "[bytes=N forward_thread_ms=X rows_ms=R native_ms=F new_buffers=K gpu_host_ms=Y]".
     cost = {m.group(1): dict((k, float(v)) for k, v in re.findall(r"(\w+)=([0-9.]+)", m.group(2)))
             for m in re.finditer(r"capture (\S+) \(request [^)]*\) sealed: .*?\[([^\]]*)\]", text)}
     bench = Path(a.out) / "bench.json"
@@ -223,7 +227,7 @@ def main() -> int:
                 r["cost"] = cost.get(r["rid"])
         for n, sm in res["summary"].items():
             costs = [r["cost"] for r in res["runs"] if r.get("cost") and str(r["tokens"]) == str(n) and r["capture"] and not r["rid"].startswith("bench-warm")]
-            for k in ("forward_thread_ms", "new_buffers", "gpu_host_ms", "bytes"):
+            for k in ("forward_thread_ms", "rows_ms", "native_ms", "new_buffers", "gpu_host_ms", "bytes"):
                 vals = sorted(c[k] for c in costs if k in c)
                 if vals:
                     sm[f"{k}_median"], sm[f"{k}_worst"] = vals[len(vals) // 2], vals[-1]
@@ -231,7 +235,7 @@ def main() -> int:
         bench.write_text(json.dumps(res, indent=1))
         print("summary with per-capture costs:", json.dumps(res["summary"], indent=1))
         print("seal latency (ms) per capture:", json.dumps(seal_ms))
-    print("\n".join(line for line in text.splitlines() if line.startswith("{") or line.startswith(" ") or line.startswith("}")))
+    print("\n".join(line for line in text.splitlines() if line.startswith(("{", " ", "}", "pd_bridge metrics"))))
     if p.returncode != 0:
         print(text[-4000:])
     return p.returncode

@@ -36,6 +36,8 @@ class _WorkerCapture:
     fed: dict[int, int] = field(default_factory=dict)  # layer -> next absolute position expected
     sealed: str | None = None
     forward_s: float = 0.0  # host time feeding it took on vLLM's forward thread
+    rows_s: float = 0.0  # of which finding its rows in the step's batch (reads the device)
+    native_s: float = 0.0  # of which in the native feed call
 
 
 # `_WorkerCapture.sealed` while the sealer thread seals it.
@@ -229,6 +231,8 @@ class PdBridgeConnectorWorker:
             t_feed = time.perf_counter()
             try:
                 row = self._rows(ch, layer_name, positions)
+                t_rows = time.perf_counter()
+                wc.rows_s += t_rows - t_feed
                 if isinstance(row, str):
                     wc.failure = row
                     continue
@@ -248,12 +252,16 @@ class PdBridgeConnectorWorker:
                         # stream; nothing here waits for the device. The side stream reads x, so
                         # torch's allocator must not reuse its memory before that work is done.
                         cur = torch.cuda.current_stream(x.device)
+                        t_native = time.perf_counter()
                         wc.capture.feed_cuda(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", x.device.index, cur.cuda_stream)
+                        wc.native_s += time.perf_counter() - t_native
                         side = wc.capture.side_stream
                         if side is not None:
                             x.record_stream(torch.cuda.ExternalStream(side, device=x.device))
                     else:
+                        t_native = time.perf_counter()
                         wc.capture.feed_ptr(layer, ch.start + skip, x.data_ptr(), x.numel() * x.element_size())
+                        wc.native_s += time.perf_counter() - t_native
                     wc.fed[layer] = ch.start + ch.num_tokens
                     if self._dump_dir:
                         self._dump(f"{wc.spec.request_id}.L{layer}.S{ch.start + skip}.in.bin", x.cpu().view(torch.uint16).numpy().tobytes())
@@ -369,9 +377,10 @@ class PdBridgeConnectorWorker:
         # The wall-clock end of that step too: a benchmark on one machine compares it with when
         # the decode host could continue.
         after = f" ({latency * 1e3:.3f} ms after the step's forward, which ended at unix {time.time() - latency:.6f})" if latency is not None else ""
-        # What it cost: bytes shipped, host time on the forward thread, and (GPU path) the
+        # What it cost: bytes shipped, host time on the forward thread (and of it, the row lookup
+        # and the native feed calls), and (GPU path) the
         # engine's buffers newly allocated since the previous seal in this process.
-        cost = f" [bytes={_segment_bytes(wc)} forward_thread_ms={wc.forward_s * 1e3:.3f}"
+        cost = f" [bytes={_segment_bytes(wc)} forward_thread_ms={wc.forward_s * 1e3:.3f} rows_ms={wc.rows_s * 1e3:.3f} native_ms={wc.native_s * 1e3:.3f}"
         if getattr(wc.capture, "side_stream", None) is not None:
             gt = gpu_capture_times(True)
             cost += f" new_buffers={gt.get('new_buffers', 0)} gpu_host_ms={sum(v for k, v in gt.items() if k.endswith('_s')) * 1e3:.3f}"
