@@ -91,7 +91,7 @@ def engine(a) -> None:
     llm = LLM(
         model=spec["hf"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=not a.compiled, enable_prefix_caching=False,
         kv_cache_dtype="fp8", max_model_len=top + 1024, max_num_batched_tokens=a.chunk, max_num_seqs=2,
-        gpu_memory_utilization=0.85, seed=0, disable_log_stats=False,
+        gpu_memory_utilization=0.85, seed=0, disable_log_stats=False, **({"async_scheduling": False} if a.sync_scheduling else {}),
         kv_transfer_config=KVTransferConfig(
             kv_connector="PdBridgeConnector", kv_connector_module_path="pd_bridge_vllm.connector", kv_role="kv_producer",
             kv_connector_extra_config={"weights": spec["mlx"], "port": spec["port"], "token": TOKEN.decode(), "address": "127.0.0.1"},
@@ -181,6 +181,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compiled", action="store_true", help="vLLM's default compilation (torch.compile + CUDA graphs) instead of eager")
+    ap.add_argument("--sync-scheduling", action="store_true", help="vLLM's async scheduling off (the host runs no step ahead of the device)")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--omlx-format", default="upstream-0.6.3")
     ap.add_argument("--block-size", type=int, default=2048)
@@ -206,7 +207,7 @@ def main() -> int:
     (work / "spec.json").write_text(json.dumps({"hf": str(hf), "mlx": str(mlx), "port": free_port()}))
     env = dict(os.environ, PD_BRIDGE_VLLM="1", VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_DEEP_GEMM_WARMUP="skip", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, __file__, a.out, "--engine", str(work), "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps),
-           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format, "--block-size", str(a.block_size)] + (["--compiled"] if a.compiled else [])
+           "--chunk", str(a.chunk), "--omlx-format", a.omlx_format, "--block-size", str(a.block_size)] + (["--compiled"] if a.compiled else []) + (["--sync-scheduling"] if a.sync_scheduling else [])
     with open(Path(a.out) / "bench-engine.log", "w") as log:
         p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=int(os.environ.get("PD_BRIDGE_GPU_ENGINE_TIMEOUT", "540")))
     text = (Path(a.out) / "bench-engine.log").read_text(errors="replace")
