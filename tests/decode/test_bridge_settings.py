@@ -27,6 +27,23 @@ def test_defaults_and_derived_segment_address():
     assert config.from_env({}) is None  # no prefill host: bridge off
 
 
+def test_several_prefill_hosts_pair_with_their_segment_servers_in_order():
+    cfg = config.from_env({**GOOD, "PD_BRIDGE_PREFILL_URL": "http://spark-a:8000, http://[fd00::2]:8000/", "PD_BRIDGE_SEGMENTS": "spark-a:7188,[fd00::2]:7200"})
+    assert [(t.url, t.segments_host, t.segments_port) for t in cfg.prefill_hosts] == [("http://spark-a:8000", "spark-a", 7188), ("http://[fd00::2]:8000", "fd00::2", 7200)]
+    assert cfg.prefill_url == "http://spark-a:8000"  # the first
+    derived = config.from_env({**GOOD, "PD_BRIDGE_PREFILL_URL": "http://a:1,http://b:2"})
+    assert [(t.segments_host, t.segments_port) for t in derived.prefill_hosts] == [("a", 7188), ("b", 7188)]
+    b = Bridge(cfg)
+    assert [h.url for h in b.hosts] == ["http://spark-a:8000", "http://[fd00::2]:8000"]
+    assert b.public_status()["prefill_hosts"] == [{"in_flight": 0}, {"in_flight": 0}]
+    assert "spark-a" not in str(b.public_status()) and "fd00" not in str(b.public_status())
+    # Least busy first, the configured order on a tie.
+    assert b._host_order() == [0, 1]
+    b._charge(0, +1)
+    assert b._host_order() == [1, 0]
+    b._charge(0, -1)
+
+
 @pytest.mark.parametrize(
     "extra, names",
     [
@@ -36,6 +53,9 @@ def test_defaults_and_derived_segment_address():
         ({"PD_BRIDGE_SEGMENTS": "gpu-box"}, "PD_BRIDGE_SEGMENTS"),
         ({"PD_BRIDGE_SEGMENTS": "gpu-box:http"}, "PD_BRIDGE_SEGMENTS"),
         ({"PD_BRIDGE_SEGMENTS": "gpu-box:70000"}, "PD_BRIDGE_SEGMENTS"),
+        ({"PD_BRIDGE_PREFILL_URL": "http://a:1,b:2"}, "PD_BRIDGE_PREFILL_URL"),
+        ({"PD_BRIDGE_PREFILL_URL": "http://a:1,http://a:1"}, "PD_BRIDGE_PREFILL_URL"),
+        ({"PD_BRIDGE_PREFILL_URL": "http://a:1,http://b:2", "PD_BRIDGE_SEGMENTS": "a:7188"}, "PD_BRIDGE_SEGMENTS"),
         ({"PD_BRIDGE_MIN_PROMPT_TOKENS": "lots"}, "PD_BRIDGE_MIN_PROMPT_TOKENS"),
         ({"PD_BRIDGE_MIN_UNCACHED_TOKENS": "0"}, "PD_BRIDGE_MIN_UNCACHED_TOKENS"),
         ({"PD_BRIDGE_TIMEOUT_S": "-1"}, "PD_BRIDGE_TIMEOUT_S"),

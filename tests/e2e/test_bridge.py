@@ -241,6 +241,80 @@ def test_concurrent_bridges_while_health_answers(model, bridged):
     assert_all_blocks_valid(bridged)
 
 
+class _BusyPrefillHost:
+    """A prefill host that answers its health check and model list but refuses every prefill
+    (HTTP 503), as an overloaded vLLM behind a proxy does: the bridge must move on to the next
+    host before any block arrives."""
+
+    def __init__(self):
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send(200, json.dumps({"data": [{"id": "busy"}]}).encode() if self.path.startswith("/v1/models") else b"")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._send(503, b'{"error": "overloaded"}')
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_several_prefill_hosts_fail_over_and_two_decode_hosts_share_one(model, work, vllm, bridged):
+    # A second oMLX lists three prefill hosts: one that refuses prefills, one that is down, and
+    # the real vLLM; it bridges while the module's oMLX bridges through the same vLLM.
+    busy = _BusyPrefillHost()
+    dead_seg, dead_http, dead_seg2 = O.free_port(), O.free_port(), O.free_port()
+    urls = f"{busy.url},http://127.0.0.1:{dead_http},{vllm.url}"
+    segs = f"127.0.0.1:{dead_seg},127.0.0.1:{dead_seg2},127.0.0.1:{vllm.segments_port}"
+    try:
+        with E.omlx_bridged(model, work, vllm, PD_BRIDGE_PREFILL_URL=urls, PD_BRIDGE_SEGMENTS=segs) as second:
+            first_prompt, first_ids = O.prompt_of_tokens(model.omlx_dir, LONG, seed=31)
+            second_prompt, second_ids = O.prompt_of_tokens(model.omlx_dir, LONG, seed=32)
+            results: dict[str, tuple] = {}
+
+            def run(name, server, prompt):
+                results[name] = E.completion(server, prompt, max_tokens=ANSWER_TOKENS)
+
+            threads = [threading.Thread(target=run, args=("first", bridged, first_prompt)), threading.Thread(target=run, args=("second", second, second_prompt))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            resp, headers, _ = results["first"]
+            assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792", headers["x-pd-bridge"]
+            assert E.cached_tokens(resp) == 1792
+            resp2, headers2, _ = results["second"]
+            h = headers2["x-pd-bridge"]
+            assert h.startswith('complete; blocks=7; tokens=1792; failed_over="prefill host 1 of 3: '), h
+            assert "prefill host 2 of 3 unhealthy" in h, h
+            assert "127.0.0.1" not in h and str(dead_http) not in h, f"a verdict named a peer address: {h}"
+            assert E.cached_tokens(resp2) == 1792 and answer(resp2)
+            st = status(second)
+            assert st["prefill_hosts"] == [{"in_flight": 0}] * 3 and st["in_flight"] == 0, st
+            assert_faithful(model, second, second_ids, 1792)
+            assert_all_blocks_valid(second)
+        assert_faithful(model, bridged, first_ids, 1792)
+    finally:
+        busy.close()
+
+
 def test_doctor_checks_every_link(model, vllm, bridged):
     env = {**os.environ, **E.bridge_env(vllm.url, vllm.segments_port, vllm.api_key)}
     ok = subprocess.run([*E._pd_bridge_cli(), "doctor", "--model-dir", str(model.omlx_dir)], env=env, capture_output=True, text=True, timeout=300)

@@ -67,6 +67,12 @@ def public_reason(text: str, hosts: tuple[str, ...] = ()) -> str:
     return _IPV6.sub("<address>", _IPV4.sub("<address>", text))
 
 
+def _brief(why: str, limit: int = 110) -> str:
+    """One passed-over host's reason, short enough that a verdict header (300 characters of
+    reason) names every host tried; the log has each in full."""
+    return why if len(why) <= limit else why[: limit - 3] + "..."
+
+
 class _Slot:
     """One admitted bridge: released when the bridge is done *and* every I/O job it started has
     returned (a prefill request stuck on a stalled host keeps holding its thread, so it keeps
@@ -159,8 +165,11 @@ class PrefillHost:
     closed, DNS, and timeouts as ``timed out ...``), ``<url> answered HTTP <code>: <body>``, or
     ``<url> answered something that is not JSON``."""
 
-    def __init__(self, cfg: config_mod.BridgeConfig):
+    def __init__(self, cfg: config_mod.BridgeConfig, target: config_mod.PrefillTarget | None = None):
         self.cfg = cfg
+        #: Which prefill host (default the first configured).
+        self.target = target if target is not None else cfg.prefill_hosts[0]
+        self.url = self.target.url
         self._model = cfg.prefill_model
         self._client = httpx.Client(
             limits=_POOL_LIMITS,
@@ -177,7 +186,7 @@ class PrefillHost:
         self._client.close()
 
     def _request(self, path: str, body: dict | None, timeout: float) -> dict:
-        url = f"{self.cfg.prefill_url}{path}"
+        url = f"{self.url}{path}"
         limits = httpx.Timeout(timeout, connect=min(self.cfg.connect_timeout_s, timeout))
         # httpx's timeouts bound each read, not the answer: a host that trickles a byte at a time
         # would hold the request (and its bridge slot) for ever. The whole answer has `timeout`.
@@ -226,7 +235,7 @@ class PrefillHost:
             models = self._request("/v1/models", None, timeout=5.0).get("data") or []
             first = models[0] if isinstance(models, list) and models else None
             if not isinstance(first, dict) or not isinstance(first.get("id"), str):
-                raise PrefillUnavailable(f"{self.cfg.prefill_url}/v1/models lists no model")
+                raise PrefillUnavailable(f"{self.url}/v1/models lists no model")
             self._model = first["id"]
         return self._model
 
@@ -248,7 +257,11 @@ class Bridge:
     def __init__(self, cfg: config_mod.BridgeConfig | None, config_error: str | None = None):
         self.cfg = cfg
         self.config_error = config_error
-        self.host = PrefillHost(cfg) if cfg is not None else None
+        self.hosts = [PrefillHost(cfg, t) for t in cfg.prefill_hosts] if cfg is not None else []
+        self.host = self.hosts[0] if self.hosts else None
+        # This decode host's bridges in flight per prefill host (picks the least busy).
+        self._host_load = [0] * len(self.hosts)
+        self._host_lock = threading.Lock()
         max_bridges = cfg.max_bridges if cfg is not None else 1
         self._decide_pool = concurrent.futures.ThreadPoolExecutor(max_workers=_DECIDE_THREADS, thread_name_prefix="pd-bridge-decide")
         # Each admitted bridge runs at most two I/O jobs at once (the prefill request and the
@@ -278,7 +291,8 @@ class Bridge:
         if self.cfg is None:
             return f"off: {self.config_error}" if self.config_error else "off: PD_BRIDGE_PREFILL_URL is not set"
         c = self.cfg
-        return (f"prefill {c.prefill_url}, segments {c.segments_host}:{c.segments_port}, "
+        hosts = ", ".join(f"{t.url} (segments {t.segments_host}:{t.segments_port})" for t in c.prefill_hosts)
+        return (f"prefill {hosts}, "
                 f"min prompt {c.min_prompt_tokens}, min uncached {c.min_uncached_tokens}, timeout {c.timeout_s:g}s")  # fmt: skip
 
     def public_status(self) -> dict:
@@ -293,11 +307,27 @@ class Bridge:
                        f"timeout {c.timeout_s:g}s, at most {c.max_bridges} bridges at once"),  # fmt: skip
             "in_flight": self._slots.in_flight,
             "max_bridges": c.max_bridges,
+            # Per prefill host, in the configured order (never their addresses).
+            "prefill_hosts": [{"in_flight": n} for n in self._host_loads()],
         }
+
+    def _host_loads(self) -> list[int]:
+        with self._host_lock:
+            return list(self._host_load)
+
+    def _host_order(self) -> list[int]:
+        """Prefill hosts to try, least busy with this decode host's bridges first (configured
+        order on a tie)."""
+        loads = self._host_loads()
+        return sorted(range(len(loads)), key=lambda i: (loads[i], i))
+
+    def _charge(self, i: int, delta: int) -> None:
+        with self._host_lock:
+            self._host_load[i] = max(0, self._host_load[i] + delta)
 
     def _public(self, text: str) -> str:
         c = self.cfg
-        hosts = () if c is None else (urlsplit(c.prefill_url).hostname or "", c.segments_host)
+        hosts = () if c is None else tuple(h for t in c.prefill_hosts for h in (urlsplit(t.url).hostname or "", t.segments_host))
         return public_reason(text, hosts)
 
     def _decide(self, fn, *args):
@@ -367,6 +397,7 @@ class Bridge:
         if public != verdict.reason:
             logger.info("pd-bridge[%s]: %s: %s", request_id, verdict.kind, verdict.reason)
             verdict.reason = public
+        verdict.failed_over = self._public(verdict.failed_over)
         return verdict, nbytes, ids
 
     async def _prepare(self, engine_core, prompt, request_id: str, multimodal: bool) -> tuple[Verdict, int, list[int] | None]:
@@ -415,17 +446,43 @@ class Bridge:
         except Exception as e:
             return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0, ids
         probe = _PROBE_S + cfg.connect_timeout_s
-        try:
-            await asyncio.wait_for(self._io(slot, self.host.check_health), probe)
-            await asyncio.wait_for(self._io(slot, self.host.model), probe)
-        except PrefillUnavailable as e:
-            return Verdict("declined", f"prefill host unhealthy: {e}", request_id=request_id), 0, ids
-        except asyncio.TimeoutError:
-            return Verdict("declined", f"prefill host unhealthy: its health check and model list did not answer within {probe:g}s", request_id=request_id), 0, ids
-        t_decided = time.perf_counter()
-        verdict, nbytes = await self._bridge(scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir, held=cached)
-        verdict.phases["decide"] = t_decided - t0
-        return verdict, nbytes, ids
+        passed: list[str] = []  # why each host tried so far was passed over
+        order = self._host_order()
+        t_first = time.perf_counter()
+        for n, i in enumerate(order):
+            host = self.hosts[i]
+            name = "prefill host" if len(self.hosts) == 1 else f"prefill host {i + 1} of {len(self.hosts)}"
+            last = n == len(order) - 1 or time.perf_counter() - t_first > cfg.timeout_s
+            try:
+                await asyncio.wait_for(self._io(slot, host.check_health), probe)
+                await asyncio.wait_for(self._io(slot, host.model), probe)
+            except (PrefillUnavailable, asyncio.TimeoutError) as e:
+                why = f"{name} unhealthy: " + (str(e) if isinstance(e, PrefillUnavailable) else f"its health check and model list did not answer within {probe:g}s")
+                if last:
+                    return Verdict("declined", "; ".join([*map(_brief, passed), why]), request_id=request_id), 0, ids
+                logger.warning("pd-bridge[%s]: %s; trying the next prefill host", request_id, why)
+                passed.append(self._public(why))  # scrubbed before it is cut short
+                continue
+            t_decided = time.perf_counter()
+            self._charge(i, +1)
+            try:
+                verdict, nbytes, host_failed = await self._bridge(host, scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir, held=cached)
+            finally:
+                self._charge(i, -1)
+            verdict.phases["decide"] = t_decided - t0
+            if host_failed and not last:
+                # Nothing of this host's arrived: the next host starts clean.
+                why = f"{name}: {verdict.reason}"
+                logger.warning("pd-bridge[%s]: %s; trying the next prefill host", request_id, why)
+                passed.append(self._public(why))  # scrubbed before it is cut short
+                continue
+            if passed:
+                if verdict.kind == "declined":
+                    verdict.reason = "; ".join([*map(_brief, passed), f"{name}: {verdict.reason}"])
+                else:
+                    verdict.failed_over = "; ".join(map(_brief, passed))
+            return verdict, nbytes, ids
+        raise AssertionError("unreachable: the last host returns")
 
     def _carry(self, writer: BlockWriter, cache_dir: Path, model_dir: str | None, held: int, block_size: int) -> tuple[bytes, int]:
         """The decoder's carry state (the source of truth for the resumed capture) at the end of
@@ -442,8 +499,11 @@ class Bridge:
                 return carry_state(weights, str(path), block_size, k * block_size, self.version.omlx_format), k
         raise PdBridgeError(f"none of the {held} held blocks has a file in the SSD cache")
 
-    async def _bridge(self, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot, model_dir: str | None = None, held: int = 0) -> tuple[Verdict, int]:
+    async def _bridge(self, host: PrefillHost, scheduler, pcm, ssd, ids, nblocks, block_size, fingerprint, request_id, slot: _Slot, model_dir: str | None = None, held: int = 0) -> tuple[Verdict, int, bool]:
+        """One bridge through ``host``. Returns the verdict, the bytes registered, and whether
+        the host failed before any block arrived (another host may then be tried)."""
         cfg = self.cfg
+        target = host.target
         capture_id = f"pdb-{request_id}-{uuid.uuid4().hex[:8]}"
         cache_dir = Path(ssd._cache_dir)
         model_name = pcm.model_name
@@ -501,17 +561,17 @@ class Bridge:
         secret = capture_secret()
 
         def pull():
-            return ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, fingerprint, writer,
+            return ingest(target.segments_host, target.segments_port, cfg.token, capture_id, fingerprint, writer,
                           timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids)  # fmt: skip
 
         spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format, "secret": secret}
         if carry is not None:
             spec["resume"] = {"position": resumed_at, "carry": base64.b64encode(carry).decode("ascii")}
-        logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s%s)", request_id, cfg.prefill_url, len(ids), nblocks, capture_id,
+        logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s%s)", request_id, host.url, len(ids), nblocks, capture_id,
                     f", resumed at {resumed_at} ({len(carry)}-byte carry state)" if carry is not None else "")  # fmt: skip
         t_ask = time.perf_counter()
         stream = self._io(slot, pull)
-        http = self._io(slot, self.host.prefill, ids, spec, cfg.timeout_s)
+        http = self._io(slot, host.prefill, ids, spec, cfg.timeout_s)
         t_http = None
         http_error = None
         deadline = t_ask + cfg.timeout_s
@@ -539,6 +599,10 @@ class Bridge:
         except Exception as e:  # a refused stream, or the disk (OSError): what was registered stays
             stream_error = str(e.args[0]) if e.args else str(e)
         t_seal = time.perf_counter()
+        if stream_error is not None and not registered and not http.done():
+            # The stream failed before any block (the segment server unreachable, a refusal):
+            # a prefill request that fails too within the grace frees the host for a failover.
+            await asyncio.wait({http}, timeout=_GRACE_AFTER_HTTP_FAILURE_S)
         if http.done() and t_http is None:
             t_http = t_seal
             if http.exception() is not None:
@@ -581,7 +645,11 @@ class Bridge:
             v = Verdict(kind, why.replace(str(cache_dir), "<cache>"), blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size if blocks else 0, request_id=request_id, phases=phases, **extra)
         v.ready_unix = ready_unix
         logger.info("pd-bridge[%s]: %s (prefill %.3fs, after prefill %.3fs, %d bytes)", request_id, v.header(), phases["prefill"], phases["after_prefill"], nbytes)
-        return v, nbytes
+        # The host's fault, and nothing of it was registered: no local problem (a client that
+        # went away raised above), and both of its jobs have returned (a prefill request still
+        # running there keeps its I/O thread: the next host is not tried beside it).
+        host_failed = v.kind == "declined" and not blocks and not problems and http.done() and stream.done() and (http_error is not None or stream_error is not None or (seal is not None and seal.get("verdict") != "complete"))
+        return v, nbytes, host_failed
 
     @staticmethod
     def confirm(engine_core, request_id: str, verdict: Verdict) -> Verdict:
@@ -609,7 +677,7 @@ class Bridge:
             return Verdict("declined", reason, of_blocks=verdict.of_blocks, request_id=verdict.request_id, phases=verdict.phases)
         return Verdict("partial", f"{reason}; {verdict.reason}".rstrip("; "), blocks=used, of_blocks=verdict.of_blocks,
                        tokens=verdict.resumed_at + used * per_block, request_id=verdict.request_id, phases=verdict.phases, ready_unix=verdict.ready_unix,
-                       resumed_at=verdict.resumed_at, not_resumed=verdict.not_resumed, vllm_cached=verdict.vllm_cached)  # fmt: skip
+                       resumed_at=verdict.resumed_at, not_resumed=verdict.not_resumed, vllm_cached=verdict.vllm_cached, failed_over=verdict.failed_over)  # fmt: skip
 
 
 _bridge: Bridge | None = None

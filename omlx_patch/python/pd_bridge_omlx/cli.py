@@ -82,25 +82,32 @@ def _doctor(args) -> int:
         if cfg is None:
             d.fail("PD_BRIDGE_PREFILL_URL", "not set", "export PD_BRIDGE_PREFILL_URL=http://<gpu-host>:8000 (vLLM's OpenAI server)")
         else:
-            d.ok("settings", f"prefill {cfg.prefill_url}, segments {cfg.segments_host}:{cfg.segments_port}")
+            for t in cfg.prefill_hosts:
+                d.ok("settings", f"prefill {t.url}, segments {t.segments_host}:{t.segments_port}")
     if cfg is None:
         print(f"{d.failures} problem(s)")
         return 1
 
-    host = PrefillHost(cfg)  # one pooled HTTP client for every check below
-    try:
-        return _doctor_links(d, cfg, host, args)
-    finally:
-        host.close()
+    for i, target in enumerate(cfg.prefill_hosts):
+        if len(cfg.prefill_hosts) > 1:
+            print(f"prefill host {i + 1} of {len(cfg.prefill_hosts)}: {target.url}")
+        host = PrefillHost(cfg, target)  # one pooled HTTP client for every check below
+        try:
+            _doctor_links(d, cfg, host, args)
+        finally:
+            host.close()
+    print(f"{d.failures} problem(s)" if d.failures else "all links ok")
+    return 1 if d.failures else 0
 
 
-def _doctor_links(d: _Doctor, cfg, host, args) -> int:
+def _doctor_links(d: _Doctor, cfg, host, args) -> None:
+    """Every check of one prefill host (``host``), failures counted in ``d``."""
     from . import versions
     from .bridge import PrefillUnavailable
 
     try:
         host.check_health()
-        d.ok("prefill host health", f"{cfg.prefill_url}/health")
+        d.ok("prefill host health", f"{host.url}/health")
         d.ok("prefill model", host.model())
         version = host.version()
         if version.split("+")[0] in SUPPORTED_VLLM:
@@ -109,13 +116,11 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
             d.fail("vLLM", f"version {version}", f"pd-bridge-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}: install it on the prefill host")
     except PrefillUnavailable as e:
         d.fail("prefill host", str(e), "start vLLM with the pd-bridge connector there, or correct PD_BRIDGE_PREFILL_URL")
-        print(f"{d.failures} problem(s)")
-        return 1
+        return
 
     if not args.model_dir:
         d.skip("weights fingerprint and round trip", "pass --model-dir (the model directory oMLX serves)")
-        print(f"{d.failures} problem(s)")
-        return 1 if d.failures else 0
+        return
     from ._native import BlockWriter, PdBridgeError, Weights, capture_secret, ingest, inspect_block
 
     model_dir = str(Path(args.model_dir).resolve())
@@ -124,8 +129,7 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
         d.ok("decoder weights", f"{weights.family}, {weights.num_layers} layers, {weights.fingerprint}")
     except Exception as e:
         d.fail("decoder weights", str(e), "point --model-dir at the MLX model directory oMLX loads")
-        print(f"{d.failures} problem(s)")
-        return 1
+        return
 
     # A tiny round trip: one block of random ids prefilled there, streamed and written here.
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size", 1000))
@@ -146,7 +150,7 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
 
         def pull():
             try:
-                result["ingest"] = ingest(cfg.segments_host, cfg.segments_port, cfg.token, capture_id, weights.fingerprint, writer, timeout_seconds=min(cfg.idle_s, 60.0), secret=secret, token_ids=ids[:block])
+                result["ingest"] = ingest(host.target.segments_host, host.target.segments_port, cfg.token, capture_id, weights.fingerprint, writer, timeout_seconds=min(cfg.idle_s, 60.0), secret=secret, token_ids=ids[:block])
             except PdBridgeError as e:
                 result["error"] = str(e.args[0]) if e.args else str(e)
 
@@ -179,8 +183,6 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> int:
                 d.fail("round trip", f"sealed {seal}", "see the vLLM log for the capture's reason")
         else:
             d.fail("round trip", "no answer from the segment server within 90 s", "check PD_BRIDGE_SEGMENTS and the prefill host's firewall")
-    print(f"{d.failures} problem(s)" if d.failures else "all links ok")
-    return 1 if d.failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:

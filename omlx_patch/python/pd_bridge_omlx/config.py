@@ -16,12 +16,22 @@ class BridgeConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class BridgeConfig:
-    #: vLLM's OpenAI server on the prefill host, e.g. ``http://gpu-box:8000``.
-    prefill_url: str
-    #: Where the prefill host's segment server listens (``PdBridgeConnector``'s port).
+class PrefillTarget:
+    """One prefill host: vLLM's OpenAI server and its segment server."""
+
+    #: vLLM's OpenAI server, e.g. ``http://gpu-box:8000``.
+    url: str
+    #: Where its segment server listens (``PdBridgeConnector``'s port).
     segments_host: str
     segments_port: int
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    #: The prefill hosts, in the order given: a bridge goes to the one with the fewest of this
+    #: decode host's bridges in flight (the first on a tie) and fails over to the next while no
+    #: block has arrived.
+    prefill_hosts: tuple[PrefillTarget, ...]
     #: The shared secret both hosts hold (``PD_BRIDGE_VLLM_TOKEN`` on the prefill host).
     token: bytes
     #: The model name vLLM serves; None: the first one ``/v1/models`` lists.
@@ -43,6 +53,19 @@ class BridgeConfig:
     max_bridges: int = 4
     #: vLLM's ``--api-key``, sent as ``Authorization: Bearer`` (vLLM guards its ``/v1`` routes).
     prefill_api_key: str | None = None
+
+    # The first prefill host's (the only one's, in the common case).
+    @property
+    def prefill_url(self) -> str:
+        return self.prefill_hosts[0].url
+
+    @property
+    def segments_host(self) -> str:
+        return self.prefill_hosts[0].segments_host
+
+    @property
+    def segments_port(self) -> int:
+        return self.prefill_hosts[0].segments_port
 
 
 def _int(env, name: str, default: int, minimum: int = 0) -> int:
@@ -76,12 +99,16 @@ def from_env(env=None) -> BridgeConfig | None:
 
     Raises ``BridgeConfigError`` naming the variable when one is set but unusable."""
     env = os.environ if env is None else env
-    url = env.get("PD_BRIDGE_PREFILL_URL", "").strip().rstrip("/")
-    if not url:
+    raw_urls = env.get("PD_BRIDGE_PREFILL_URL", "").strip()
+    if not raw_urls:
         return None
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BridgeConfigError(f"PD_BRIDGE_PREFILL_URL={url!r} must be http(s)://host:port of vLLM's OpenAI server")
+    urls = [u.strip().rstrip("/") for u in raw_urls.replace(" ", ",").split(",") if u.strip()]
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BridgeConfigError(f"PD_BRIDGE_PREFILL_URL: {url!r} must be http(s)://host:port of vLLM's OpenAI server")
+    if len(set(urls)) != len(urls):
+        raise BridgeConfigError(f"PD_BRIDGE_PREFILL_URL={raw_urls!r} lists a host twice")
     token = env.get("PD_BRIDGE_TOKEN", "")
     token_file = env.get("PD_BRIDGE_TOKEN_FILE", "").strip()
     if token_file:
@@ -91,23 +118,27 @@ def from_env(env=None) -> BridgeConfig | None:
             raise BridgeConfigError(f"PD_BRIDGE_TOKEN_FILE={token_file!r} cannot be read: {e}") from None
     if not token:
         raise BridgeConfigError("PD_BRIDGE_TOKEN (or PD_BRIDGE_TOKEN_FILE) must hold the secret shared with the prefill host")
-    seg = env.get("PD_BRIDGE_SEGMENTS", "").strip()
-    if seg:
-        host, sep, port = seg.rpartition(":")
-        if not sep or not host:
-            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS={seg!r} must be host:port of the prefill host's segment server")
-        try:
-            seg_port = int(port)
-        except ValueError:
-            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS={seg!r}: port {port!r} is not a number") from None
-    else:
-        host, seg_port = parts.hostname, 7188
-    if not 0 < seg_port < 65536:
-        raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range")
+    raw_segs = env.get("PD_BRIDGE_SEGMENTS", "").strip()
+    segs = [s.strip() for s in raw_segs.replace(" ", ",").split(",") if s.strip()]
+    if segs and len(segs) != len(urls):
+        raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS lists {len(segs)} segment servers for {len(urls)} prefill hosts in PD_BRIDGE_PREFILL_URL: give one host:port per host, in the same order (or none: each host's own name, port 7188)")  # fmt: skip
+    targets = []
+    for i, url in enumerate(urls):
+        if segs:
+            host, sep, port = segs[i].rpartition(":")
+            if not sep or not host:
+                raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS: {segs[i]!r} must be host:port of the prefill host's segment server")
+            try:
+                seg_port = int(port)
+            except ValueError:
+                raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS: {segs[i]!r}: port {port!r} is not a number") from None
+        else:
+            host, seg_port = urlsplit(url).hostname, 7188
+        if not 0 < seg_port < 65536:
+            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range")
+        targets.append(PrefillTarget(url=url, segments_host=host.strip("[]"), segments_port=seg_port))
     return BridgeConfig(
-        prefill_url=url,
-        segments_host=host.strip("[]"),
-        segments_port=seg_port,
+        prefill_hosts=tuple(targets),
         token=token.encode(),
         prefill_model=env.get("PD_BRIDGE_PREFILL_MODEL", "").strip() or None,
         min_prompt_tokens=_int(env, "PD_BRIDGE_MIN_PROMPT_TOKENS", 2048),

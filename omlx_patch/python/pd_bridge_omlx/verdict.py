@@ -49,9 +49,13 @@ class Verdict:
     not_resumed: str = ""
     #: Prompt tokens vLLM took from its own prefix cache (it computed the rest); None: unknown.
     vllm_cached: int | None = None
+    #: Several prefill hosts: why the ones tried before this verdict's host were passed over.
+    failed_over: str = ""
 
     def _extra(self) -> str:
         out = f"; resumed_at={self.resumed_at}" if self.resumed_at else ""
+        if self.failed_over:
+            out += f"; failed_over={_quote(self.failed_over)}"
         if self.not_resumed:
             out += f"; not_resumed={_quote(self.not_resumed)}"
         # Said for a resumed capture (0 there means vLLM recomputed the prefix, e.g. after a
