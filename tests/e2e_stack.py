@@ -109,7 +109,7 @@ class VllmServer:
 @contextlib.contextmanager
 def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeout: float = 600.0,
                 prefix_caching: bool = False, port: int | None = None, segments_port: int | None = None,
-                api_key: str | None = None):  # fmt: skip
+                api_key: str | None = None, data_parallel_size: int = 1):  # fmt: skip
     """``vllm serve`` for the tiny model with the pd-bridge connector, on loopback (``port`` /
     ``segments_port``: a restart on the ports a bridged oMLX already points at; ``api_key``:
     vLLM's ``--api-key``, which bridged oMLX servers are then given)."""
@@ -130,6 +130,7 @@ def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeou
         "--max-model-len", "32768", "--max-num-batched-tokens", str(max_batched_tokens), "--max-num-seqs", "8",
         "--kv-transfer-config", json.dumps(kv),
         *(["--api-key", api_key] if api_key else []),
+        *(["--data-parallel-size", str(data_parallel_size)] if data_parallel_size > 1 else []),
     ]  # fmt: skip
     env = dict(os.environ, PD_BRIDGE_VLLM="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.pop("PD_BRIDGE_OMLX", None)

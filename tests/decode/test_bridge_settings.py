@@ -37,11 +37,26 @@ def test_several_prefill_hosts_pair_with_their_segment_servers_in_order():
     assert [h.url for h in b.hosts] == ["http://spark-a:8000", "http://[fd00::2]:8000"]
     assert b.public_status()["prefill_hosts"] == [{"in_flight": 0}, {"in_flight": 0}]
     assert "spark-a" not in str(b.public_status()) and "fd00" not in str(b.public_status())
-    # Least busy first, the configured order on a tie.
-    assert b._host_order() == [0, 1]
-    b._charge(0, +1)
-    assert b._host_order() == [1, 0]
-    b._charge(0, -1)
+    # Least busy first, the configured order on a tie; each pick charges its host at once, so
+    # bridges starting together spread.
+    assert b._take_host(set()) == 0 and b._take_host(set()) == 1 and b._take_host(set()) == 0
+    assert b._take_host({0}) == 1 and b._take_host({0, 1}) is None
+    for i in (0, 1, 0, 1):
+        b._charge(i, -1)
+    assert b.public_status()["prefill_hosts"] == [{"in_flight": 0}, {"in_flight": 0}]
+
+
+def test_data_parallel_ranks_are_targets_of_their_own():
+    cfg = config.from_env({**GOOD, "PD_BRIDGE_PREFILL_URL": "http://a:1,http://b:2", "PD_BRIDGE_SEGMENTS": "a:7188,b:7300", "PD_BRIDGE_PREFILL_DP": "2"})
+    assert [(t.url, t.segments_port, t.dp_rank, t.label) for t in cfg.prefill_hosts] == [
+        ("http://a:1", 7188, 0, "prefill host 1 of 2 rank 0"), ("http://a:1", 7189, 1, "prefill host 1 of 2 rank 1"),
+        ("http://b:2", 7300, 0, "prefill host 2 of 2 rank 0"), ("http://b:2", 7301, 1, "prefill host 2 of 2 rank 1")]  # fmt: skip
+    one = config.from_env(GOOD)
+    assert one.prefill_hosts[0].dp_rank is None and one.prefill_hosts[0].label == "prefill host"
+    with pytest.raises(config.BridgeConfigError, match="PD_BRIDGE_PREFILL_DP"):
+        config.from_env({**GOOD, "PD_BRIDGE_PREFILL_DP": "0"})
+    with pytest.raises(config.BridgeConfigError, match="PD_BRIDGE_PREFILL_DP"):
+        config.from_env({**GOOD, "PD_BRIDGE_SEGMENTS": "a:65535", "PD_BRIDGE_PREFILL_DP": "2"})
 
 
 @pytest.mark.parametrize(

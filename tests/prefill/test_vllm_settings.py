@@ -30,27 +30,32 @@ def test_prefix_caching_is_accepted_and_captured_hits_are_capped():
     assert getattr(KVCacheManager.get_computed_blocks, "_pd_bridge_capped", False)
 
 
-def test_pipeline_and_data_parallelism_are_refused_naming_the_setting():
-    """Pipeline stages see only their own layers and data-parallel engines would each bind the
-    segment port: refused at start with the setting named, on vLLM's own ParallelConfig."""
+def test_pipeline_parallelism_is_refused_and_each_data_parallel_rank_finds_its_rank():
+    """Pipeline stages see only their own layers: refused at start naming the setting, on vLLM's
+    own ParallelConfig. Data parallelism runs; each rank (its port is the base + rank) reads its
+    rank from data_parallel_index, which a dense model's independent engines keep while their
+    data_parallel_rank reads 0."""
     from types import SimpleNamespace
 
     from vllm.config import CacheConfig, ParallelConfig
 
     from pd_bridge_vllm.connector import check_engine_settings
+    from pd_bridge_vllm.connector.metadata import data_parallel_rank
 
     cache = CacheConfig(enable_prefix_caching=True)
     check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=2)))
-    for name in ("pipeline_parallel_size", "data_parallel_size"):
-        pc = ParallelConfig()
-        setattr(pc, name, 2)
-        with pytest.raises(ValueError, match=f"{name}=2 is not supported"):
-            check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
-    # A dense model's data-parallel engines each read data_parallel_size=1; the rank is in the index.
     pc = ParallelConfig()
-    pc.data_parallel_index = 1
-    with pytest.raises(ValueError, match=r"data-parallel rank 1 \(data_parallel_index\): data parallelism is not supported"):
+    pc.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
         check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
+    pc = ParallelConfig()
+    pc.data_parallel_size = 2
+    check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
+    assert data_parallel_rank(SimpleNamespace(parallel_config=pc)) == 0
+    pc.data_parallel_index = 1
+    assert data_parallel_rank(SimpleNamespace(parallel_config=pc)) == 1
+    # Without the index (older releases): the rank.
+    assert data_parallel_rank(SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=3))) == 3
 
 
 def test_feed_ptr_equals_feed_bytes(tmp_path):

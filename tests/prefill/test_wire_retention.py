@@ -107,6 +107,12 @@ def test_the_connector_demands_a_secret_and_never_shows_it():
         CaptureSpec.parse({"pd_capture": {"request_id": "r", "block_size": 256, "secret": "short"}})
     spec = CaptureSpec.parse({"pd_capture": {"request_id": "r", "block_size": 256, "secret": SECRET}})
     assert spec.secret == SECRET and SECRET not in repr(spec)
+    # Data parallelism: the rank the decode host pulls from; anything but a non-negative int is refused.
+    assert spec.dp_rank is None
+    assert CaptureSpec.parse({"pd_capture": {"request_id": "r", "block_size": 256, "secret": SECRET, "dp_rank": 1}}).dp_rank == 1
+    for bad in (-1, True, "1", 1.0):
+        with pytest.raises(CaptureSpecError, match="dp_rank must be a non-negative integer"):
+            CaptureSpec.parse({"pd_capture": {"request_id": "r", "block_size": 256, "secret": SECRET, "dp_rank": bad}})
 
 
 def test_the_segment_server_binds_loopback_unless_told(monkeypatch):

@@ -143,6 +143,14 @@ class PrefillUnavailable(RuntimeError):
     pass
 
 
+def _refused(answer: dict) -> str | None:
+    """Why the prefill host made no capture for this request, if its answer says so."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    got = params.get("pd_capture") if isinstance(params, dict) else None
+    why = got.get("refused") if isinstance(got, dict) else None
+    return str(why)[:300] if why is not None else None
+
+
 # Connections to the prefill host, per bridge: a few long prefill requests at once plus the
 # health/model probes; idle ones are kept for the next bridge.
 _POOL_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=30.0)
@@ -185,7 +193,7 @@ class PrefillHost:
     def close(self) -> None:
         self._client.close()
 
-    def _request(self, path: str, body: dict | None, timeout: float) -> dict:
+    def _request(self, path: str, body: dict | None, timeout: float, headers: dict[str, str] | None = None) -> dict:
         url = f"{self.url}{path}"
         limits = httpx.Timeout(timeout, connect=min(self.cfg.connect_timeout_s, timeout))
         # httpx's timeouts bound each read, not the answer: a host that trickles a byte at a time
@@ -195,7 +203,7 @@ class PrefillHost:
             if body is None:
                 req = self._client.build_request("GET", url, timeout=limits)
             else:
-                req = self._client.build_request("POST", url, content=json.dumps(body).encode(), timeout=limits)
+                req = self._client.build_request("POST", url, content=json.dumps(body).encode(), timeout=limits, headers=headers)
             resp = self._client.send(req, stream=True)
             try:
                 chunks, size = [], 0
@@ -250,7 +258,9 @@ class PrefillHost:
             "temperature": 0.0,
             "kv_transfer_params": {"pd_capture": capture},
         }
-        return self._request("/v1/completions", body, timeout=timeout)
+        # vLLM's data parallelism: pin the request to the rank whose segment port is pulled.
+        pin = {"X-data-parallel-rank": str(self.target.dp_rank)} if self.target.dp_rank is not None else None
+        return self._request("/v1/completions", body, timeout=timeout, headers=pin)
 
 
 class Bridge:
@@ -315,11 +325,17 @@ class Bridge:
         with self._host_lock:
             return list(self._host_load)
 
-    def _host_order(self) -> list[int]:
-        """Prefill hosts to try, least busy with this decode host's bridges first (configured
-        order on a tie)."""
-        loads = self._host_loads()
-        return sorted(range(len(loads)), key=lambda i: (loads[i], i))
+    def _take_host(self, tried: set[int]) -> int | None:
+        """The least busy prefill host (this decode host's bridges in flight; the configured
+        order on a tie) not yet tried, charged one bridge in the same critical section, so that
+        bridges starting together spread over the hosts; None when every one was tried."""
+        with self._host_lock:
+            free = [i for i in range(len(self._host_load)) if i not in tried]
+            if not free:
+                return None
+            i = min(free, key=lambda k: (self._host_load[k], k))
+            self._host_load[i] += 1
+            return i
 
     def _charge(self, i: int, delta: int) -> None:
         with self._host_lock:
@@ -447,25 +463,25 @@ class Bridge:
             return Verdict("declined", f"decoder weights in {weights_dir} cannot be fingerprinted: {e}", request_id=request_id), 0, ids
         probe = _PROBE_S + cfg.connect_timeout_s
         passed: list[str] = []  # why each host tried so far was passed over
-        order = self._host_order()
+        tried: set[int] = set()
         t_first = time.perf_counter()
-        for n, i in enumerate(order):
+        while (i := self._take_host(tried)) is not None:
+            tried.add(i)
             host = self.hosts[i]
-            name = "prefill host" if len(self.hosts) == 1 else f"prefill host {i + 1} of {len(self.hosts)}"
-            last = n == len(order) - 1 or time.perf_counter() - t_first > cfg.timeout_s
+            name = host.target.label
+            last = len(tried) == len(self.hosts) or time.perf_counter() - t_first > cfg.timeout_s
             try:
-                await asyncio.wait_for(self._io(slot, host.check_health), probe)
-                await asyncio.wait_for(self._io(slot, host.model), probe)
-            except (PrefillUnavailable, asyncio.TimeoutError) as e:
-                why = f"{name} unhealthy: " + (str(e) if isinstance(e, PrefillUnavailable) else f"its health check and model list did not answer within {probe:g}s")
-                if last:
-                    return Verdict("declined", "; ".join([*map(_brief, passed), why]), request_id=request_id), 0, ids
-                logger.warning("pd-bridge[%s]: %s; trying the next prefill host", request_id, why)
-                passed.append(self._public(why))  # scrubbed before it is cut short
-                continue
-            t_decided = time.perf_counter()
-            self._charge(i, +1)
-            try:
+                try:
+                    await asyncio.wait_for(self._io(slot, host.check_health), probe)
+                    await asyncio.wait_for(self._io(slot, host.model), probe)
+                except (PrefillUnavailable, asyncio.TimeoutError) as e:
+                    why = f"{name} unhealthy: " + (str(e) if isinstance(e, PrefillUnavailable) else f"its health check and model list did not answer within {probe:g}s")
+                    if last:
+                        return Verdict("declined", "; ".join([*map(_brief, passed), why]), request_id=request_id), 0, ids
+                    logger.warning("pd-bridge[%s]: %s; trying the next prefill host", request_id, why)
+                    passed.append(self._public(why))  # scrubbed before it is cut short
+                    continue
+                t_decided = time.perf_counter()
                 verdict, nbytes, host_failed = await self._bridge(host, scheduler, pcm, ssd, ids[: nblocks * block_size], nblocks, block_size, fingerprint, request_id, slot, model_dir=weights_dir, held=cached)
             finally:
                 self._charge(i, -1)
@@ -482,7 +498,7 @@ class Bridge:
                 else:
                     verdict.failed_over = "; ".join(map(_brief, passed))
             return verdict, nbytes, ids
-        raise AssertionError("unreachable: the last host returns")
+        raise AssertionError("unreachable: the last host tried returns")
 
     def _carry(self, writer: BlockWriter, cache_dir: Path, model_dir: str | None, held: int, block_size: int) -> tuple[bytes, int]:
         """The decoder's carry state (the source of truth for the resumed capture) at the end of
@@ -567,6 +583,8 @@ class Bridge:
         spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format, "secret": secret}
         if carry is not None:
             spec["resume"] = {"position": resumed_at, "carry": base64.b64encode(carry).decode("ascii")}
+        if target.dp_rank is not None:
+            spec["dp_rank"] = target.dp_rank
         logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s%s)", request_id, host.url, len(ids), nblocks, capture_id,
                     f", resumed at {resumed_at} ({len(carry)}-byte carry state)" if carry is not None else "")  # fmt: skip
         t_ask = time.perf_counter()
@@ -581,6 +599,11 @@ class Bridge:
                 t_http = time.perf_counter()
                 if http.exception() is not None:
                     http_error = str(http.exception())
+                elif (refused := _refused(http.result())) is not None:
+                    # The engine that ran the request made no capture (another data-parallel
+                    # rank than the one pulled): nothing will come; stop waiting for it.
+                    http_error = f"the prefill host made no capture: {refused}"
+                    control.cancel()
                 if stream not in done:
                     grace = _GRACE_AFTER_HTTP_FAILURE_S if http_error else max(0.1, min(cfg.idle_s, deadline - time.perf_counter()))
                     await asyncio.wait({stream}, timeout=grace)

@@ -24,13 +24,18 @@ class PrefillTarget:
     #: Where its segment server listens (``PdBridgeConnector``'s port).
     segments_host: str
     segments_port: int
+    #: vLLM data parallelism behind one endpoint: the rank this target pins requests to (the
+    #: ``X-data-parallel-rank`` header) and pulls from (its segment port is the base + rank).
+    dp_rank: int | None = None
+    #: How verdicts and logs name it: "prefill host", "prefill host 2 of 3", "... rank 1".
+    label: str = "prefill host"
 
 
 @dataclass(frozen=True)
 class BridgeConfig:
-    #: The prefill hosts, in the order given: a bridge goes to the one with the fewest of this
-    #: decode host's bridges in flight (the first on a tie) and fails over to the next while no
-    #: block has arrived.
+    #: The prefill hosts (each data-parallel rank of each, ``PD_BRIDGE_PREFILL_DP``), in the order
+    #: given: a bridge goes to the one with the fewest of this decode host's bridges in flight
+    #: (the first on a tie) and fails over to the next while no block has arrived.
     prefill_hosts: tuple[PrefillTarget, ...]
     #: The shared secret both hosts hold (``PD_BRIDGE_VLLM_TOKEN`` on the prefill host).
     token: bytes
@@ -122,6 +127,7 @@ def from_env(env=None) -> BridgeConfig | None:
     segs = [s.strip() for s in raw_segs.replace(" ", ",").split(",") if s.strip()]
     if segs and len(segs) != len(urls):
         raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS lists {len(segs)} segment servers for {len(urls)} prefill hosts in PD_BRIDGE_PREFILL_URL: give one host:port per host, in the same order (or none: each host's own name, port 7188)")  # fmt: skip
+    dp = _int(env, "PD_BRIDGE_PREFILL_DP", 1, minimum=1)
     targets = []
     for i, url in enumerate(urls):
         if segs:
@@ -134,9 +140,12 @@ def from_env(env=None) -> BridgeConfig | None:
                 raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS: {segs[i]!r}: port {port!r} is not a number") from None
         else:
             host, seg_port = urlsplit(url).hostname, 7188
-        if not 0 < seg_port < 65536:
-            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range")
-        targets.append(PrefillTarget(url=url, segments_host=host.strip("[]"), segments_port=seg_port))
+        if not 0 < seg_port or seg_port + dp - 1 >= 65536:
+            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range" + (f" for {dp} data-parallel ranks (PD_BRIDGE_PREFILL_DP)" if dp > 1 else ""))
+        name = "prefill host" if len(urls) == 1 else f"prefill host {i + 1} of {len(urls)}"
+        for r in range(dp):
+            targets.append(PrefillTarget(url=url, segments_host=host.strip("[]"), segments_port=seg_port + r,
+                                         dp_rank=r if dp > 1 else None, label=f"{name} rank {r}" if dp > 1 else name))  # fmt: skip
     return BridgeConfig(
         prefill_hosts=tuple(targets),
         token=token.encode(),

@@ -33,24 +33,24 @@ def check_engine_settings(vllm_config) -> None:
     the block boundary its capture starts from (``prefix_cap.py``), so every row the capture needs
     is computed; a hit that still reached past it would seal the capture aborted, never complete.
 
-    Pipeline parallelism splits the layers over stages (no one worker sees every layer's input),
-    and data parallelism starts one engine per rank, each binding the same segment port: both
-    are refused here, naming the setting, rather than failing later at a bind or sealing every
-    capture aborted.
+    Pipeline parallelism splits the layers over stages (no one worker sees every layer's input):
+    refused here, naming the setting, rather than sealing every capture aborted. Data parallelism
+    runs: each rank serves its captures on its own segment port (the base port + its rank,
+    ``data_parallel_rank``).
     """
     pc = getattr(vllm_config, "parallel_config", None)
-    for name in ("pipeline_parallel_size", "data_parallel_size"):
-        n = int(getattr(pc, name, 1) or 1)
-        if n > 1:
-            raise ValueError(f"PdBridgeConnector: {name}={n} is not supported (tensor parallelism is: TP rank 0 captures); run the prefill host with {name}=1")
-    # For a dense model vLLM runs each data-parallel rank as an independent engine whose
-    # data_parallel_size reads 1; only data_parallel_index keeps the rank.
-    index = int(getattr(pc, "data_parallel_index", 0) or 0)
-    if index > 0:
-        raise ValueError(
-            f"PdBridgeConnector: data-parallel rank {index} (data_parallel_index): data parallelism is not supported "
-            "(every rank would bind the same segment port); run the prefill host with data_parallel_size=1"
-        )
+    n = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    if n > 1:
+        raise ValueError(f"PdBridgeConnector: pipeline_parallel_size={n} is not supported (tensor and data parallelism are); run the prefill host with pipeline_parallel_size=1")
+
+
+def data_parallel_rank(vllm_config) -> int:
+    """This engine's data-parallel rank. For a dense model vLLM runs each rank as an independent
+    engine whose data_parallel_size and data_parallel_rank read 1 and 0; data_parallel_index
+    (vLLM 0.27+) keeps the rank there."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    index = getattr(pc, "data_parallel_index", None)
+    return int(index if index is not None else getattr(pc, "data_parallel_rank", 0) or 0)
 
 
 def check_compilation(vllm_config, op_name: str) -> None:
@@ -115,6 +115,9 @@ class CaptureSpec:
     # The scheduler drops the carry bytes from the spec once the worker has had them.
     resume_at: int = 0
     resume_carry: bytes | None = field(default=None, repr=False)
+    # Data parallelism: the rank the decode host pulls from (and asked vLLM to route to, with
+    # the X-data-parallel-rank header); None: any (one rank).
+    dp_rank: int | None = None
 
     @staticmethod
     def parse(params: Any) -> CaptureSpec | None:
@@ -139,6 +142,9 @@ class CaptureSpec:
             raise CaptureSpecError(f"{PARAM_KEY}.secret is missing: the decode host sends a per-request secret (wire version 2 and later; upgrade pd-bridge-omlx)")
         if not isinstance(secret, str) or len(secret) != 64 or any(c not in "0123456789abcdefABCDEF" for c in secret):
             raise CaptureSpecError(f"{PARAM_KEY}.secret must be 64 hex digits")
+        dp_rank = spec.get("dp_rank")
+        if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0):
+            raise CaptureSpecError(f"{PARAM_KEY}.dp_rank must be a non-negative integer, got {dp_rank!r}")
         resume_at, carry = 0, None
         resume = spec.get("resume")
         if resume is not None:
@@ -154,7 +160,7 @@ class CaptureSpec:
             except (binascii.Error, ValueError) as e:
                 raise CaptureSpecError(f"{PARAM_KEY}.resume.carry is not base64: {e}") from None
             resume_at = pos
-        return CaptureSpec(rid, bs, fp, fmt, secret, None, resume_at, carry)
+        return CaptureSpec(rid, bs, fp, fmt, secret, None, resume_at, carry, dp_rank)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import prefix_cap
-from .metadata import PARAM_KEY, CaptureChunk, CaptureSpec, CaptureSpecError, PdBridgeConnectorMetadata, kv_groups
+from .metadata import PARAM_KEY, CaptureChunk, CaptureSpec, CaptureSpecError, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,6 +41,9 @@ class PdBridgeConnectorScheduler:
         self.block_sizes, _ = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
         self.requests: dict[str, _SchedState] = {}
         self.pending_aborts: dict[str, tuple[CaptureSpec, int, str]] = {}
+        self.dp_rank = data_parallel_rank(vllm_config)
+        # Captures this rank will not make, and why (said in the request's kv_transfer_params).
+        self.refused: dict[str, tuple[str, str]] = {}
 
     def on_new_request(self, request: Request) -> None:
         try:
@@ -49,6 +52,13 @@ class PdBridgeConnectorScheduler:
             logger.error("pd-bridge: request %s: malformed kv_transfer_params (%s); it runs without a capture", request.request_id, e)
             return
         if spec is None:
+            return
+        if spec.dp_rank is not None and spec.dp_rank != self.dp_rank:
+            # A router dropped the X-data-parallel-rank header: the decode host pulls from the
+            # rank it asked for, which never sees this request. Capture nothing, and say so.
+            why = f"meant for data-parallel rank {spec.dp_rank}, ran on rank {self.dp_rank} (a router dropped the X-data-parallel-rank header?)"
+            logger.error("pd-bridge: request %s: capture %s %s; it runs without a capture", request.request_id, spec.request_id, why)
+            self.refused[request.request_id] = (spec.request_id, why)
             return
         ids = getattr(request, "prompt_token_ids", None)
         if ids is None:
@@ -134,7 +144,8 @@ class PdBridgeConnectorScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self.requests.pop(request.request_id, None)
         if st is None:
-            return False, None
+            refused = self.refused.pop(request.request_id, None)
+            return (False, {PARAM_KEY: {"request_id": refused[0], "refused": refused[1]}}) if refused else (False, None)
         if not st.last_scheduled:
             reason = f"request {request.status.name.lower()} after {st.scheduled_upto} of {st.prompt_tokens} prompt tokens"
             self.pending_aborts[request.request_id] = (st.spec, st.prompt_tokens, reason)

@@ -21,7 +21,7 @@ import torch
 
 from .. import tap
 from .._native import Capture, PdBridgeError, SegmentServer, Weights, gpu_capture_times
-from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, kv_groups, setting
+from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups, setting
 from .stats import PdBridgeKVConnectorStats
 
 logger = logging.getLogger("vllm.pd_bridge")
@@ -121,9 +121,11 @@ class PdBridgeConnectorWorker:
                 "or set PD_BRIDGE_VLLM_WEIGHTS / PD_BRIDGE_VLLM_PORT / PD_BRIDGE_VLLM_TOKEN"
             )
         self._weights = Weights.load(str(weights_dir))
+        # Each data-parallel rank serves on its own port: the configured one + its rank.
+        self._dp_rank = data_parallel_rank(vllm_config)
         tok = token.encode() if isinstance(token, str) else bytes(token)
         self._server = SegmentServer(
-            f"[{address}]:{int(port)}" if ":" in address else f"{address}:{int(port)}",
+            f"[{address}]:{int(port) + self._dp_rank}" if ":" in address else f"{address}:{int(port) + self._dp_rank}",
             tok,
             idle_seconds=float(setting(extra, "segment_idle_s", "PD_BRIDGE_VLLM_SEGMENT_IDLE_S", 60.0)),
             queue_wait_seconds=float(setting(extra, "capture_queue_wait_s", "PD_BRIDGE_VLLM_CAPTURE_QUEUE_WAIT_S", 600.0)),
@@ -136,8 +138,8 @@ class PdBridgeConnectorWorker:
         self._graph_rows = _graph_rows(vllm_config)
         tap.set_sink(self)
         logger.info(
-            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v3); model tap %s",
-            weights_dir, self._weights.fingerprint, self._weights.num_layers, self._server.address,
+            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v3%s); model tap %s",
+            weights_dir, self._weights.fingerprint, self._weights.num_layers, self._server.address, f", data-parallel rank {self._dp_rank}" if self._dp_rank else "",
             "installed" if self._tap_ok else "NOT installed (set PD_BRIDGE_VLLM=1)",
         )
 
