@@ -107,9 +107,10 @@ class FakePrefill:
             conn.settimeout(30)
             try:
                 if self.mode == "zeros":
-                    conn.recv(4096)  # the decode host's hello
-                    # "accept", a 48-byte handshake message of zeros, then zeros for ever
-                    conn.sendall(b"PDBW" + bytes([2, 2]) + (48).to_bytes(2, "little") + bytes(48))
+                    hello = conn.recv(4096)  # the decode host's hello: "PDBW", its wire version, ...
+                    # "accept" in the client's wire version, a 48-byte handshake message of zeros,
+                    # then zeros for ever
+                    conn.sendall(b"PDBW" + bytes([hello[4], 2]) + (48).to_bytes(2, "little") + bytes(48))
                     while True:
                         conn.sendall(bytes(1 << 16))
                 elif self.mode == "honest":
