@@ -47,7 +47,7 @@ def check_engine_settings(vllm_config) -> None:
 def data_parallel_rank(vllm_config) -> int:
     """This engine's data-parallel rank. For a dense model vLLM runs each rank as an independent
     engine whose data_parallel_size and data_parallel_rank read 1 and 0; data_parallel_index
-    (vLLM 0.27+) keeps the rank there."""
+    keeps the rank there (0.27.1 to 0.32 have it, checked; without it, data_parallel_rank)."""
     pc = getattr(vllm_config, "parallel_config", None)
     index = getattr(pc, "data_parallel_index", None)
     return int(index if index is not None else getattr(pc, "data_parallel_rank", 0) or 0)
