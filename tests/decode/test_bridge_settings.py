@@ -99,3 +99,13 @@ def test_headers_stay_printable_ascii():
     assert h.startswith('partial 3/8; tokens=768; reason="stream broke: ?quoted?')
     assert all(32 <= ord(c) < 127 for c in h) and "\r" not in h and "\n" not in h and len(h) < 400
     assert Verdict("complete", blocks=7, of_blocks=7, tokens=1792).header() == "complete; blocks=7; tokens=1792"
+
+
+def test_a_prefill_answer_that_says_no_capture_was_made_is_read():
+    from pd_bridge_omlx.bridge import _refused
+
+    why = "meant for data-parallel rank 1, ran on rank 0"
+    assert _refused({"kv_transfer_params": {"pd_capture": {"request_id": "c", "refused": why}}}) == why
+    for answer in ({}, {"kv_transfer_params": None}, {"kv_transfer_params": {"pd_capture": {"prompt_cached_tokens": 0}}}, [], "x"):
+        assert _refused(answer) is None
+    assert len(_refused({"kv_transfer_params": {"pd_capture": {"refused": "x" * 5000}}})) == 300
