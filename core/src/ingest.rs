@@ -1,17 +1,22 @@
 //! The decode host's side of the segment stream: pull one capture from the prefill host's
 //! [`crate::segment_server`], verify every segment, rebuild its block and write it, block by
 //! block. A broken stream keeps every block already written: each is whole and verified.
+//!
+//! A capture may come over several lanes ([`crate::wire::lanes`]): each lane is read, opened and
+//! decoded on its own thread, and the blocks are written here in chain order, one at a time.
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::block::{BlockWriter, Landed};
 use crate::error::{CoreError, Result};
-use crate::wire::secure;
-use crate::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, PromptDigest, Seal, SegmentReader};
+use crate::segment::Segment;
+use crate::wire::secure::{self, SecureChannel};
+use crate::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, Lane, LaneMerge, PromptDigest, Seal, SegmentReader};
 
 /// What an ingest achieved.
 #[derive(Debug)]
@@ -27,7 +32,8 @@ pub struct Ingested {
 #[derive(Default)]
 pub struct IngestControl {
     cancelled: AtomicBool,
-    stream: Mutex<Option<TcpStream>>,
+    /// Every lane's stream, so that a cancel (or one lane's failure) stops them all.
+    streams: Mutex<Vec<TcpStream>>,
 }
 
 impl IngestControl {
@@ -35,7 +41,12 @@ impl IngestControl {
     /// whole and verified); nothing more is written.
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::SeqCst);
-        if let Some(s) = self.stream.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        self.shut_streams();
+    }
+
+    /// Unblock every lane's reads (a lane failed, so the capture cannot be written past it).
+    fn shut_streams(&self) {
+        for s in self.streams.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -46,7 +57,7 @@ impl IngestControl {
 
     fn attach(&self, stream: &TcpStream) -> Result<()> {
         let clone = stream.try_clone().map_err(|e| CoreError::wire(e.to_string()))?;
-        *self.stream.lock().unwrap_or_else(|p| p.into_inner()) = Some(clone);
+        self.streams.lock().unwrap_or_else(|p| p.into_inner()).push(clone);
         self.check()
     }
 
@@ -77,6 +88,9 @@ pub struct Pull<'a> {
     pub limits: FrameLimits,
     /// Connect, handshake and idle deadline.
     pub timeout: Duration,
+    /// Streams to pull the capture over (1 to [`crate::wire::MAX_LANES`]): more lanes seal and
+    /// open its records on more cores at both ends, for links faster than one core encrypts.
+    pub lanes: u8,
 }
 
 /// The first of `addrs` that accepts a connection within `timeout`, or an error naming each
@@ -101,37 +115,124 @@ fn connect_any(addrs: &[SocketAddr], timeout: Duration) -> Result<TcpStream> {
 /// every block already written: each is whole and verified.
 pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mut on_block: impl FnMut(&Landed)) -> Ingested {
     let mut blocks = 0usize;
+    let mut write = |seg: &Segment| -> Result<()> {
+        control.check()?;
+        // The writer's one entry point: checked against the plan and the block grid before
+        // anything is written.
+        let written = writer.write_segment(seg)?;
+        writer.flush()?;
+        let landed = writer.landed(seg.header.index as usize, written)?;
+        blocks += 1;
+        on_block(&landed);
+        Ok(())
+    };
     let outcome = (|| -> Result<Seal> {
         control.check()?;
         let key = CaptureKey::derive(pull.token, pull.secret, pull.request_id, pull.fingerprint, &pull.prompt)?;
-        let stream = connect_any(&pull.addrs, pull.timeout)?;
-        control.attach(&stream)?;
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(Some(pull.timeout)).and_then(|_| stream.set_write_timeout(Some(pull.timeout))).map_err(|e| CoreError::wire(e.to_string()))?;
-        let cancelled = |e: CoreError| if control.is_cancelled() { CoreError::wire("cancelled by the decode host") } else { e };
-        let idle = Idle { stream, deadline: pull.timeout };
-        let channel = secure::connect(idle, &key, pull.request_id).map_err(cancelled)?;
         // A writer resumed at a block boundary expects the stream from there (else block 0).
         let first = writer.next_block();
-        let mut reader = SegmentReader::with_limits(channel, pull.request_id, pull.fingerprint, pull.limits).starting_at(first as u32, (first * writer.block_size()) as u64);
-        loop {
-            match reader.next_event().map_err(cancelled)? {
-                Event::Segment(seg) => {
-                    control.check()?;
-                    // The writer's one entry point: checked against the plan and the block grid
-                    // before anything is written.
-                    let written = writer.write_segment(&seg)?;
-                    let index = seg.header.index as usize;
-                    writer.flush()?;
-                    let landed = writer.landed(index, written)?;
-                    blocks += 1;
-                    on_block(&landed);
+        let start = (first * writer.block_size()) as u64;
+        if pull.lanes <= 1 {
+            let mut reader = open_lane(pull, &key, control, Lane::SINGLE)?.starting_at(first as u32, start);
+            loop {
+                match reader.next_event().map_err(|e| cancelled(control, e))? {
+                    Event::Segment(seg) => write(&seg)?,
+                    Event::Seal(seal) => return Ok(seal),
                 }
-                Event::Seal(seal) => return Ok(seal),
             }
         }
+        let lanes = Lane::all(pull.lanes)?;
+        // The first lane failure, which the other lanes' (consequent) failures must not hide.
+        let failure: Mutex<Option<CoreError>> = Mutex::new(None);
+        std::thread::scope(|scope| {
+            let receivers: Vec<Receiver<Result<Event>>> = lanes
+                .iter()
+                .map(|&lane| {
+                    let (tx, rx) = sync_channel::<Result<Event>>(1);
+                    let (key, failure) = (&key, &failure);
+                    scope.spawn(move || {
+                        let run = || -> Result<()> {
+                            let mut reader = open_lane(pull, key, control, lane)?.starting_at(first as u32, start);
+                            loop {
+                                let event = reader.next_event()?;
+                                let sealed = matches!(event, Event::Seal(_));
+                                if tx.send(Ok(event)).is_err() || sealed {
+                                    return Ok(());
+                                }
+                            }
+                        };
+                        if let Err(e) = run() {
+                            let e = cancelled(control, e);
+                            let told = CoreError::wire(format!("lane {} of {}: {e}", lane.index, lane.count));
+                            failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                            control.shut_streams();
+                            let _ = tx.send(Err(told));
+                        }
+                    });
+                    rx
+                })
+                .collect();
+            // A lane's failure is stored before the merge hears of it; taken before our own
+            // failure shuts the other lanes (whose errors would then only echo it).
+            let result = merge(&lanes, &receivers, first as u32, start, &mut write).map_err(|e| failure.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or(e));
+            if result.is_err() {
+                control.shut_streams();
+            }
+            result
+        })
     })();
     Ingested { blocks, outcome }
+}
+
+/// A read error, or the cancel that caused it.
+fn cancelled(control: &IngestControl, e: CoreError) -> CoreError {
+    if control.is_cancelled() {
+        CoreError::wire("cancelled by the decode host")
+    } else {
+        e
+    }
+}
+
+/// Connect, handshake and a reader for one lane of the pull.
+fn open_lane(pull: &Pull<'_>, key: &CaptureKey, control: &IngestControl, lane: Lane) -> Result<SegmentReader<SecureChannel<Idle>>> {
+    let stream = connect_any(&pull.addrs, pull.timeout)?;
+    control.attach(&stream)?;
+    let _ = stream.set_nodelay(true);
+    stream.set_read_timeout(Some(pull.timeout)).and_then(|_| stream.set_write_timeout(Some(pull.timeout))).map_err(|e| CoreError::wire(e.to_string()))?;
+    let idle = Idle { stream, deadline: pull.timeout };
+    let channel = secure::connect_lane(idle, key, pull.request_id, lane).map_err(|e| cancelled(control, e))?;
+    Ok(SegmentReader::with_limits(channel, pull.request_id, pull.fingerprint, pull.limits).on_lane(lane))
+}
+
+/// Take segment `i` from lane `i % lanes` until every lane has sealed, writing each in order.
+fn merge(lanes: &[Lane], receivers: &[Receiver<Result<Event>>], first: u32, start: u64, write: &mut impl FnMut(&Segment) -> Result<()>) -> Result<Seal> {
+    let mut merged = LaneMerge::starting_at(first, start);
+    let mut sealed = vec![false; lanes.len()];
+    let recv = |k: usize| receivers[k].recv().unwrap_or_else(|_| Err(CoreError::wire(format!("lane {k} of {} ended without a seal", lanes.len()))));
+    loop {
+        let k = (merged.next_index() % lanes.len() as u32) as usize;
+        if sealed[k] {
+            // The lane owing the next segment has sealed: the capture ended here, and every
+            // other lane must seal too.
+            for k in (0..lanes.len()).filter(|&k| !sealed[k]) {
+                match recv(k)? {
+                    Event::Seal(seal) => merged.seal(seal)?,
+                    Event::Segment(seg) => return Err(CoreError::wire(format!("lane {k} sent segment {} after the capture's seal on another lane", seg.header.index))),
+                }
+            }
+            return merged.finish();
+        }
+        match recv(k)? {
+            Event::Segment(seg) => {
+                merged.segment(seg.header.index, seg.header.start, seg.header.end)?;
+                write(&seg)?;
+            }
+            Event::Seal(seal) => {
+                merged.seal(seal)?;
+                sealed[k] = true;
+            }
+        }
+    }
 }
 
 /// The pull's TCP stream, whose read timeouts say what they are: no byte from the prefill host

@@ -236,3 +236,52 @@ fn connection_slots_never_pass_their_cap() {
         None,
     );
 }
+
+/// One capture pulled over two lanes while it pushes: whatever the schedule, each lane gets
+/// exactly its own segments in order and the seal, exactly one lane finds itself the last to
+/// send it, and the memory count balances to zero.
+#[test]
+fn two_lanes_split_a_capture_and_exactly_one_retires_it() {
+    shuttle::check_pct(two_lanes, 20_000, 3);
+    shuttle::check_random(two_lanes, 5_000);
+}
+
+fn two_lanes() {
+    let outboxes = Outboxes::new(config(1 << 30));
+    let o = outboxes.register("laned", key("laned"));
+    let lanes = wire::Lane::all(2).unwrap();
+    let readers: Vec<_> = lanes
+        .iter()
+        .map(|&lane| {
+            let o = o.clone();
+            thread::spawn(move || {
+                o.claim_lane(lane).unwrap();
+                let mut got = vec![];
+                loop {
+                    match o.next_on(lane, Duration::from_secs(3600)) {
+                        Some(Ok(seg)) => got.push(seg.header.index),
+                        Some(Err(seal)) => return (got, seal, o.lane_sent(lane)),
+                        None => panic!("lane {lane:?} closed: {:?}", o.closed_reason()),
+                    }
+                }
+            })
+        })
+        .collect();
+    let capture = {
+        let o = o.clone();
+        thread::spawn(move || {
+            for s in segs(3) {
+                assert!(o.push(s), "closed: {:?}", o.closed_reason());
+            }
+            o.seal(complete(3));
+        })
+    };
+    capture.join().unwrap();
+    let got: Vec<_> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+    assert_eq!(got[0].0, vec![0, 2]);
+    assert_eq!(got[1].0, vec![1]);
+    assert!(got.iter().all(|g| g.1 == complete(3)));
+    assert_eq!(got.iter().filter(|g| g.2).count(), 1, "exactly one lane retires the outbox");
+    assert_balanced(&outboxes, &[&o]);
+    assert_eq!(outboxes.memory().used(), 0);
+}

@@ -381,6 +381,16 @@ fn resumed_stream_writes_the_blocks_of_the_whole_prompt() {
 /// `S / block ..` identical to writing the whole prompt directly.
 #[test]
 fn resumed_capture_ingests_over_tcp() {
+    resumed_capture_over_tcp(1);
+}
+
+/// The same over three lanes: resumed at block 2, lane 2 carries the first segment.
+#[test]
+fn resumed_capture_ingests_over_three_lanes() {
+    resumed_capture_over_tcp(3);
+}
+
+fn resumed_capture_over_tcp(lanes: u8) {
     use pd_bridge_core::ingest::{ingest, IngestControl, Pull};
     use pd_bridge_core::segment_server::SegmentServer;
     use pd_bridge_core::wire::{CaptureSecret, FrameLimits, PromptDigest};
@@ -436,6 +446,7 @@ fn resumed_capture_ingests_over_tcp() {
         prompt: PromptDigest::of(&tokens),
         limits: FrameLimits::for_plan(&w.plan, UP, block),
         timeout: std::time::Duration::from_secs(20),
+        lanes,
     };
     let mut got = Vec::new();
     let done = ingest(&pull, &writer, &IngestControl::default(), |b| got.push(b.index));

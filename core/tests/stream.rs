@@ -24,6 +24,12 @@ fn secret() -> CaptureSecret {
 
 /// Pull "req" (or `id`) from `server` with `token` and the test secret, for `tokens`.
 fn pull(server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, tokens: &[u32], writer: &BlockWriter, timeout: Duration, control: &IngestControl, on_block: impl FnMut(&pd_bridge_core::block::Landed)) -> Ingested {
+    pull_lanes(1, server, token, id, w, tokens, writer, timeout, control, on_block)
+}
+
+/// [`pull`] over `lanes` streams.
+#[allow(clippy::too_many_arguments)]
+fn pull_lanes(lanes: u8, server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, tokens: &[u32], writer: &BlockWriter, timeout: Duration, control: &IngestControl, on_block: impl FnMut(&pd_bridge_core::block::Landed)) -> Ingested {
     let s = secret();
     let p = Pull {
         addrs: vec![server.local_addr()],
@@ -34,6 +40,7 @@ fn pull(server: &SegmentServer, token: &[u8], id: &str, w: &DecoderWeights, toke
         prompt: PromptDigest::of(tokens),
         limits: FrameLimits::for_plan(&w.plan, writer.format(), BLOCK),
         timeout,
+        lanes,
     };
     ingest(&p, writer, control, on_block)
 }
@@ -248,4 +255,85 @@ fn a_cancelled_ingest_returns_at_once_and_keeps_whole_blocks() {
     let again = pull(&server, b"tok", "other", &w, &tokens, &writer, Duration::from_secs(30), &control, |_| {});
     assert_eq!(again.blocks, 0);
     assert!(again.outcome.is_err());
+}
+
+/// One capture over four lanes: the same blocks, in chain order, as over one stream; the
+/// server's memory and outboxes back to zero after.
+#[test]
+fn a_capture_over_four_lanes_lands_the_same_blocks_in_order() {
+    let prompt = 9 * BLOCK + 37;
+    let (w, inputs, tokens) = setup(prompt);
+    let one = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(20)).unwrap();
+    let producer = prefill(&one, w.clone(), inputs.clone(), prompt, None);
+    let dir1 = temp_dir("lanes-one");
+    let w1 = BlockWriter::new(&dir1, "/m", BLOCK, &tokens).unwrap();
+    let got1 = pull(&one, b"tok", "req", &w, &tokens, &w1, Duration::from_secs(20), &IngestControl::default(), |_| {});
+    producer.join().unwrap();
+    assert_eq!(got1.outcome.unwrap(), Seal::Complete { blocks: 9, tokens: 9 * BLOCK as u64 });
+
+    let four = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(20)).unwrap();
+    // Small chunks: segments complete one by one while the lanes read.
+    let producer = prefill_in_chunks(&four, w.clone(), inputs, prompt, None, 50);
+    let dir4 = temp_dir("lanes-four");
+    let w4 = BlockWriter::new(&dir4, "/m", BLOCK, &tokens).unwrap();
+    let mut order = vec![];
+    let got4 = pull_lanes(4, &four, b"tok", "req", &w, &tokens, &w4, Duration::from_secs(20), &IngestControl::default(), |b| order.push(b.index));
+    producer.join().unwrap();
+    assert_eq!(got4.outcome.unwrap(), Seal::Complete { blocks: 9, tokens: 9 * BLOCK as u64 });
+    assert_eq!(order, (0..9).collect::<Vec<_>>());
+    for k in 0..9 {
+        let a = pd_bridge_core::block::block_path(&dir1, w1.hash(k).unwrap());
+        let b = pd_bridge_core::block::block_path(&dir4, w4.hash(k).unwrap());
+        common::assert_same_block(&a, &b);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while four.outboxes() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!((four.outboxes(), four.queued_bytes(), four.accounting_faults()), (0, 0, 0));
+}
+
+/// A capture that dies mid-stream over three lanes: the blocks before the gap are written, whole
+/// and in order, and nothing after it.
+#[test]
+fn a_capture_dying_over_three_lanes_keeps_an_ordered_prefix() {
+    let prompt = 6 * BLOCK;
+    let (w, inputs, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_millis(700)).unwrap();
+    let producer = prefill(&server, w.clone(), inputs, prompt, Some(300));
+    let dir = temp_dir("lanes-dying");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let mut order = vec![];
+    let got = pull_lanes(3, &server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(10), &IngestControl::default(), |b| order.push(b.index));
+    producer.join().unwrap();
+    assert!(matches!(got.outcome, Err(CoreError::Wire(_))), "{:?}", got.outcome);
+    assert_eq!(order, vec![0, 1]);
+    let expect = Expect { model_name: Some("/m".into()), num_layers: Some(3), block_size: Some(BLOCK), ..Default::default() };
+    for f in common::files_under(&dir) {
+        inspect(&f, &expect).unwrap();
+    }
+}
+
+/// A cancel stops every lane at once (each would otherwise wait for its idle deadline).
+#[test]
+fn a_cancel_stops_every_lane() {
+    let prompt = 4 * BLOCK;
+    let (w, _, tokens) = setup(prompt);
+    let server = SegmentServer::bind("127.0.0.1:0", b"tok".to_vec(), Duration::from_secs(60)).unwrap();
+    // Registered, never fed: every lane waits.
+    let _outbox = server.outbox("req", &secret(), &w.fingerprint, &PromptDigest::of(&tokens)).unwrap();
+    let control = Arc::new(IngestControl::default());
+    let c = control.clone();
+    let canceller = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        c.cancel();
+    });
+    let dir = temp_dir("lanes-cancel");
+    let writer = BlockWriter::new(&dir, "/m", BLOCK, &tokens).unwrap();
+    let t = std::time::Instant::now();
+    let got = pull_lanes(4, &server, b"tok", "req", &w, &tokens, &writer, Duration::from_secs(30), &control, |_| {});
+    canceller.join().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    assert!(got.outcome.unwrap_err().to_string().contains("cancelled by the decode host"));
+    assert_eq!(got.blocks, 0);
 }

@@ -15,7 +15,7 @@ use pd_bridge_core::segment::Segment;
 use pd_bridge_core::ingest::{ingest, IngestControl, Pull};
 use pd_bridge_core::segment_server::{SegmentServer, ServerConfig};
 use pd_bridge_core::wire::secure::{self, Hello};
-use pd_bridge_core::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, PromptDigest, Seal, SegmentReader};
+use pd_bridge_core::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, Lane, PromptDigest, Seal, SegmentReader};
 use pd_bridge_core::{CoreError, OmlxFormat};
 
 const TOKEN: &[u8] = b"shared-token";
@@ -125,7 +125,7 @@ fn a_queued_and_slow_capture_outlasts_the_decode_hosts_idle_deadline() {
     };
     let dir = common::temp_dir("wire-queued");
     let writer = BlockWriter::new(&dir, "/m", 8, &tokens).unwrap();
-    let p = Pull { addrs: vec![srv.local_addr()], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: gap / 2 };
+    let p = Pull { addrs: vec![srv.local_addr()], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: gap / 2, lanes: 1 };
     let got = ingest(&p, &writer, &IngestControl::default(), |_| {});
     late.join().unwrap();
     assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 2, tokens: 16 });
@@ -178,7 +178,7 @@ fn ingest_from(addr: SocketAddr, dir: &std::path::Path) -> pd_bridge_core::inges
     let tokens: Vec<u32> = (0..16).collect();
     let writer = BlockWriter::new(dir, "/m", 8, &tokens).unwrap();
     let s = secret(0x11);
-    let p = Pull { addrs: vec![addr], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: Duration::from_secs(5) };
+    let p = Pull { addrs: vec![addr], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: Duration::from_secs(5), lanes: 1 };
     ingest(&p, &writer, &IngestControl::default(), |_| {})
 }
 
@@ -420,4 +420,110 @@ fn a_reader_that_goes_away_closes_the_capture_with_the_reason() {
     let why = ob.closed_reason().expect("the capture learns its reader is gone");
     assert!(why.contains("ended after"), "{why}");
     assert!(!ob.push(seg("req", 0)));
+}
+
+/// Pull lane `lane` of `count` of `rid` with the right proof; the segment indices it carried.
+fn pull_lane(addr: SocketAddr, s: &CaptureSecret, rid: &str, lane: Lane) -> Result<Vec<u32>, CoreError> {
+    let stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let key = CaptureKey::derive(TOKEN, s, rid, FP, &prompt())?;
+    let ch = secure::connect_lane(stream, &key, rid, lane)?;
+    let mut r = SegmentReader::new(ch, rid, FP).on_lane(lane);
+    let mut got = Vec::new();
+    loop {
+        match r.next_event()? {
+            Event::Segment(seg) => got.push(seg.header.index),
+            Event::Seal(_) => return Ok(got),
+        }
+    }
+}
+
+/// Lanes split a capture by segment index; a lane taken twice, or asked for with another lane
+/// count, is refused naming why; the outbox leaves only when every lane has sent the seal.
+#[test]
+fn lanes_split_a_capture_and_are_claimed_once_each() {
+    let srv = server(config());
+    let s = secret(7);
+    let ob = srv.outbox("req", &s, FP, &prompt()).unwrap();
+    for i in 0..5 {
+        assert!(ob.push(seg("req", i)));
+    }
+    ob.seal(Seal::Complete { blocks: 5, tokens: 40 });
+    let addr = srv.local_addr();
+    assert_eq!(pull_lane(addr, &s, "req", Lane::new(1, 2).unwrap()).unwrap(), vec![1, 3]);
+    // Lane 1 sent its seal; lane 0 still owes 0, 2, 4: the outbox stays.
+    assert_eq!(srv.outboxes(), 1);
+    let again = pull_lane(addr, &s, "req", Lane::new(1, 2).unwrap()).unwrap_err().to_string();
+    assert!(again.contains("lane 1 of 2 of this capture is already being pulled"), "{again}");
+    let other = pull_lane(addr, &s, "req", Lane::new(0, 3).unwrap()).unwrap_err().to_string();
+    assert!(other.contains("being pulled over 2 lanes, not 3"), "{other}");
+    assert_eq!(pull_lane(addr, &s, "req", Lane::new(0, 2).unwrap()).unwrap(), vec![0, 2, 4]);
+    wait_until("the outbox retired", Duration::from_secs(5), || srv.outboxes() == 0);
+    assert_eq!((srv.queued_bytes(), srv.accounting_faults()), (0, 0));
+}
+
+/// A lane's number is bound into its handshake: a hello whose lane bytes were changed on the
+/// way (to take another lane's segments) fails the key; a lane that does not exist is refused.
+#[test]
+fn a_lane_cannot_be_passed_off_as_another() {
+    let s = secret(8);
+    let key = CaptureKey::derive(TOKEN, &s, "req", FP, &prompt()).unwrap();
+    let mut hello = Vec::new();
+    let _ = secure::connect_lane(&mut hello_sink(&mut hello), &key, "req", Lane::new(1, 2).unwrap());
+    // "PDBW" | version | kind | u16 id length | "req" | lane | lanes
+    let at = 4 + 2 + 2 + 3;
+    assert_eq!(&hello[at..at + 2], &[1, 2]);
+    let mut swapped = hello.clone();
+    swapped[at] = 0;
+    let h = Hello::read(&mut &swapped[..]).unwrap();
+    assert_eq!(h.lane, Lane::new(0, 2).unwrap());
+    assert!(h.try_key(&key).is_none(), "a hello with a changed lane matched the key");
+    assert!(Hello::read(&mut &hello[..]).unwrap().try_key(&key).is_some());
+    let mut bad = hello.clone();
+    bad[at] = 2;
+    let e = Hello::read(&mut &bad[..]).unwrap_err().to_string();
+    assert!(e.contains("lane 2 of 2 does not exist"), "{e}");
+    bad[at + 1] = 17;
+    let e = Hello::read(&mut &bad[..]).unwrap_err().to_string();
+    assert!(e.contains("must be 1 to 16"), "{e}");
+}
+
+/// Records what is written and answers nothing (the handshake then fails on the read).
+fn hello_sink(out: &mut Vec<u8>) -> impl Read + Write + '_ {
+    struct Sink<'a>(&'a mut Vec<u8>);
+    impl Read for Sink<'_> {
+        fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+            Ok(0)
+        }
+    }
+    impl Write for Sink<'_> {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    Sink(out)
+}
+
+/// A decode host that opens one lane of two and never the other: the capture is dropped once
+/// the handshake deadline has passed since the first lane, naming the missing lane, and a pull of
+/// the missing lane after that hears why.
+#[test]
+fn a_lane_that_never_comes_drops_the_capture_with_the_reason() {
+    let srv = server(ServerConfig { handshake: Duration::from_millis(500), ..config() });
+    let s = secret(9);
+    let ob = srv.outbox("req", &s, FP, &prompt()).unwrap();
+    for i in 0..4 {
+        assert!(ob.push(seg("req", i)));
+    }
+    ob.seal(Seal::Complete { blocks: 4, tokens: 32 });
+    assert_eq!(pull_lane(srv.local_addr(), &s, "req", Lane::new(0, 2).unwrap()).unwrap(), vec![0, 2]);
+    wait_until("the half-pulled capture dropped", Duration::from_secs(5), || srv.outboxes() == 0);
+    assert_eq!(ob.closed_reason().unwrap(), "only 1 of its 2 lanes were pulled within 500ms of the first");
+    assert_eq!((srv.queued_bytes(), srv.accounting_faults()), (0, 0));
+    let late = pull_lane(srv.local_addr(), &s, "req", Lane::new(1, 2).unwrap()).unwrap_err().to_string();
+    assert!(late.contains("only 1 of its 2 lanes"), "{late}");
 }

@@ -393,11 +393,13 @@ fn capture_secret() -> PyResult<String> {
 /// encrypted and both sides prove the capture's key, derived from `token`, `secret` (the one sent
 /// in `pd_capture.secret`), the capture id, `fingerprint` and `token_ids` (the prompt exactly as
 /// sent to vLLM): a prefill host that cannot is refused before a byte of cache is accepted.
-/// Frames are capped by what one block of the writer's plan can hold. Returns
+/// Frames are capped by what one block of the writer's plan can hold. `lanes` > 1 pulls the
+/// capture over that many streams at once (sealed and opened on as many cores at each end, for
+/// links faster than one core encrypts; blocks are still written in chain order). Returns
 /// `(blocks_written, verdict_json)`; a broken stream raises `PdBridgeError(message, blocks)`
 /// (`AuthError` for a failed handshake) with the count written before it (each whole and valid).
 #[pyfunction]
-#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None, control=None, *, secret, token_ids))]
+#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None, control=None, *, secret, token_ids, lanes=1))]
 #[allow(clippy::too_many_arguments)]
 fn ingest(
     py: Python<'_>,
@@ -412,6 +414,7 @@ fn ingest(
     control: Option<Py<IngestControl>>,
     secret: &str,
     token_ids: Vec<u32>,
+    lanes: u8,
 ) -> PyResult<(usize, String)> {
     guard(|| {
         use std::net::ToSocketAddrs;
@@ -420,6 +423,7 @@ fn ingest(
             return Err(PdBridgeError::new_err(format!("cannot resolve {host}:{port}: no address")));
         }
         let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
+        pd_bridge_core::wire::Lane::new(0, lanes).map_err(to_py)?;
         let own = pd_bridge_core::ingest::IngestControl::default();
         let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
         // The core's events during the stream carry the request id (logging::request_span).
@@ -436,6 +440,7 @@ fn ingest(
             prompt: pd_bridge_core::wire::PromptDigest::of(&token_ids),
             limits,
             timeout,
+            lanes,
         };
         let got = py.detach(|| span.in_scope(|| {
             pd_bridge_core::ingest::ingest(&pull, w, control_ref, |landed| {

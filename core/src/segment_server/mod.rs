@@ -215,8 +215,9 @@ fn serve(stream: TcpStream, outboxes: &Outboxes) {
             return;
         }
     };
-    if !outbox.claim() {
-        let _ = wire::send_error(&mut ch, "this capture is already being pulled, or was dropped");
+    let lane = hello.lane;
+    if let Err(why) = outbox.claim_lane(lane) {
+        let _ = wire::send_error(&mut ch, &why);
         return;
     }
     ch.get_mut().deadline = None;
@@ -225,7 +226,7 @@ fn serve(stream: TcpStream, outboxes: &Outboxes) {
     let result = (|| -> Result<()> {
         let mut quiet_since = Instant::now();
         loop {
-            match outbox.next(config.keepalive.min(config.idle)) {
+            match outbox.next_on(lane, config.keepalive.min(config.idle)) {
                 Some(Ok(seg)) => {
                     wire::send_segment(&mut ch, &seg)?;
                     sent += 1;
@@ -243,8 +244,12 @@ fn serve(stream: TcpStream, outboxes: &Outboxes) {
         }
     })();
     match &result {
+        // The last lane to send its seal retires the outbox; the others leave it to that one.
+        Ok(()) if !outbox.lane_sent(lane) => return,
         Ok(()) => outbox.close(outbox::SENT.into()),
-        Err(e) => outbox.close(format!("the segment stream to the decode host ended after {sent} segments: {e}")),
+        Err(e) if lane.count == 1 => outbox.close(format!("the segment stream to the decode host ended after {sent} segments: {e}")),
+        // One lane broken breaks the capture: the decode host cannot write past its gap.
+        Err(e) => outbox.close(format!("lane {} of {} to the decode host ended after {sent} segments: {e}", lane.index, lane.count)),
     }
     outboxes.remove(&outbox);
 }

@@ -8,7 +8,7 @@ use super::config::ServerConfig;
 use super::memory::SegmentMemory;
 use crate::segment::Segment;
 use crate::sync::{lock, wait_timeout, Condvar, Mutex, MutexGuard};
-use crate::wire::{self, CaptureKey, Seal};
+use crate::wire::{self, CaptureKey, Lane, Seal};
 
 /// The close reason of an outbox whose seal went out.
 pub(crate) const SENT: &str = "sent";
@@ -21,6 +21,12 @@ pub(crate) struct OutboxState {
     sealed_at: Option<Instant>,
     /// A decode host proved the key and is reading.
     pub(crate) pulled: bool,
+    /// Over how many lanes it pulls (set by the first lane's claim), which lanes are claimed,
+    /// which have sent the seal, and when the first was claimed.
+    lanes: u8,
+    claimed: u32,
+    lanes_sent: u32,
+    first_claim: Option<Instant>,
     /// Why nothing more will be sent (the seal went out, the reader left, the outbox was dropped).
     pub(crate) closed: Option<String>,
 }
@@ -163,26 +169,64 @@ impl Outbox {
         self.ready.notify_all();
     }
 
-    /// Take the outbox for one reader; false when another already has it or it is closed.
+    /// Take the outbox for one reader of the whole stream; false when another already has it or
+    /// it is closed.
     pub fn claim(&self) -> bool {
-        let mut s = self.lock();
-        if s.pulled || s.closed.is_some() {
-            return false;
-        }
-        s.pulled = true;
-        true
+        self.claim_lane(Lane::SINGLE).is_ok()
     }
 
-    /// Next thing to send: a segment, then the seal once the queue is empty; None when `idle`
-    /// passes with nothing to send or the outbox was closed.
+    /// Take one lane of the outbox ([`crate::wire::lanes`]); refused, saying why, when the lane
+    /// is taken, the lane count differs from the other lanes', or the outbox is closed.
+    pub fn claim_lane(&self, lane: Lane) -> std::result::Result<(), String> {
+        let mut s = self.lock();
+        if s.closed.is_some() {
+            return Err("this capture was dropped or already sent".into());
+        }
+        if s.pulled && s.lanes != lane.count {
+            return Err(format!("this capture is being pulled over {} lanes, not {}", s.lanes, lane.count));
+        }
+        if s.claimed & (1 << lane.index) != 0 {
+            return Err(if lane.count == 1 { "this capture is already being pulled".into() } else { format!("lane {} of {} of this capture is already being pulled", lane.index, lane.count) });
+        }
+        if !s.pulled {
+            s.pulled = true;
+            s.lanes = lane.count;
+            s.first_claim = Some(Instant::now());
+        }
+        s.claimed |= 1 << lane.index;
+        Ok(())
+    }
+
+    /// Lanes claimed whose server has not yet sent the seal (or failed, which removes the outbox).
+    pub(crate) fn lanes_serving(&self) -> u32 {
+        let s = self.lock();
+        s.claimed.count_ones() - (s.lanes_sent & s.claimed).count_ones()
+    }
+
+    /// A lane sent its seal; true when it was the last lane to (the whole capture went out).
+    pub fn lane_sent(&self, lane: Lane) -> bool {
+        let mut s = self.lock();
+        s.lanes_sent |= 1 << lane.index;
+        s.lanes_sent.count_ones() == s.lanes as u32
+    }
+
+    /// Next thing to send on the single stream: a segment, then the seal once the queue is
+    /// empty; None when `idle` passes with nothing to send or the outbox was closed.
     pub fn next(&self, idle: Duration) -> Option<std::result::Result<Segment, Seal>> {
+        self.next_on(Lane::SINGLE, idle)
+    }
+
+    /// Next thing to send on `lane`: the next segment it carries, then the seal once none of its
+    /// segments is queued (the seal comes after the capture's last push).
+    pub fn next_on(&self, lane: Lane, idle: Duration) -> Option<std::result::Result<Segment, Seal>> {
         let deadline = Instant::now() + idle;
         let mut s = self.lock();
         loop {
             if s.closed.is_some() {
                 return None;
             }
-            if let Some((seg, bytes)) = s.queue.pop_front() {
+            let mine = if lane.count == 1 { (!s.queue.is_empty()).then_some(0) } else { s.queue.iter().position(|(seg, _)| lane.carries(seg.header.index)) };
+            if let Some((seg, bytes)) = mine.and_then(|i| s.queue.remove(i)) {
                 s.queued_bytes -= bytes;
                 if let Some(memory) = &self.memory {
                     memory.credit(bytes);
@@ -203,8 +247,18 @@ impl Outbox {
     /// Why this outbox should be dropped at `now`, if it should: nobody pulled it in time.
     pub(crate) fn expired(&self, config: &ServerConfig, now: Instant) -> Option<String> {
         let s = self.lock();
-        if s.pulled || s.closed.is_some() {
+        if s.closed.is_some() {
             return None;
+        }
+        if s.pulled {
+            // The decode host opens every lane at once: one that never came holds the rest.
+            let claimed = s.claimed.count_ones();
+            return match s.first_claim {
+                Some(at) if claimed < s.lanes as u32 && now.saturating_duration_since(at) > config.handshake => {
+                    Some(format!("only {claimed} of its {} lanes were pulled within {:?} of the first", s.lanes, config.handshake))
+                }
+                _ => None,
+            };
         }
         if let Some(at) = s.sealed_at {
             if now.saturating_duration_since(at) > config.grace {

@@ -172,8 +172,10 @@ impl Outboxes {
                 }
             }
             list.retain(|o| {
-                let s = o.lock();
-                let keep = s.closed.is_none() || s.pulled;
+                // A closed outbox still being served leaves when its last lane's server removes
+                // it; one whose serving lanes are all done (the others never came) goes now.
+                let open = o.lock().closed.is_none();
+                let keep = open || o.lanes_serving() > 0;
                 if !keep {
                     gone.push(o.clone());
                 }

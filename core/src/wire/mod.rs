@@ -6,39 +6,31 @@
 //! ([`frame`]) whose declared lengths are capped by what one block of the decoder's plan can hold
 //! ([`limits`]) before anything is allocated.
 //!
-//! Version 2 (this one): Noise `NNpsk0_25519_AESGCM_SHA256`, key from token + per-request secret
-//! + capture id + weights fingerprint + prompt digest. Version 1 (an HMAC challenge on the token,
-//! clear text) is refused by name.
+//! Version 4 (this one): Noise `NNpsk0_25519_AESGCM_SHA256`, its key from the token, the
+//! per-request secret, the capture id, the weights fingerprint and the prompt digest; a capture
+//! may be pulled over several streams ([`lanes`], the hello names the lane); the server says
+//! "waiting" while a pull waits (from version 3). Any other version is refused by name, asking to
+//! upgrade both hosts.
 
 pub mod frame;
 #[doc(hidden)]
 pub mod fuzz;
+pub mod lanes;
 pub mod limits;
+pub mod seal;
 pub mod secure;
-
-use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
 use crate::segment::Segment;
 
 pub use frame::{FrameKind, FrameSink, FrameSource, PlainFrames};
+pub use lanes::{Lane, LaneMerge, MAX_LANES};
+pub use seal::Seal;
 pub use limits::{max_segment_payload, FrameLimits};
 pub use secure::{CaptureKey, CaptureSecret, PromptDigest, SecureChannel};
 
 pub(crate) const MAGIC: &[u8; 4] = b"PDBW";
-pub const VERSION: u8 = 3;
-
-/// How a capture ended.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "verdict", rename_all = "snake_case")]
-pub enum Seal {
-    /// Every full block of the prompt was sent.
-    Complete { blocks: u32, tokens: u64 },
-    /// Only a prefix was sent (still valid); `reason` says why.
-    Partial { blocks: u32, tokens: u64, reason: String },
-    /// The request was aborted or failed on the prefill host; `blocks` sent before it.
-    Aborted { blocks: u32, reason: String },
-}
+pub const VERSION: u8 = 4;
 
 /// What the decode side reads from a stream, checked as it arrives.
 pub enum Event {
@@ -55,6 +47,9 @@ pub struct SegmentReader<F> {
     fingerprint: String,
     next_index: u32,
     next_start: u64,
+    /// The lane this stream is ([`lanes`]): it carries every `lane.count`-th segment, so token
+    /// positions follow on only across the lanes ([`LaneMerge`]).
+    lane: Lane,
     sealed: bool,
 }
 
@@ -66,14 +61,22 @@ impl<F: FrameSource> SegmentReader<F> {
     }
 
     pub fn with_limits(inner: F, request_id: &str, fingerprint: &str, limits: FrameLimits) -> Self {
-        SegmentReader { inner, limits, request_id: request_id.into(), fingerprint: fingerprint.into(), next_index: 0, next_start: 0, sealed: false }
+        SegmentReader { inner, limits, request_id: request_id.into(), fingerprint: fingerprint.into(), next_index: 0, next_start: 0, lane: Lane::SINGLE, sealed: false }
     }
 
     /// Expect the stream to start at segment `index`, token `start` (a capture resumed at a block
     /// boundary: the decoder holds the blocks before it).
     pub fn starting_at(mut self, index: u32, start: u64) -> Self {
-        self.next_index = index;
+        self.next_index = self.lane.first_from(index);
         self.next_start = start;
+        self
+    }
+
+    /// Read one lane of a capture pulled over several ([`lanes`]); call before
+    /// [`Self::starting_at`].
+    pub fn on_lane(mut self, lane: Lane) -> Self {
+        self.lane = lane;
+        self.next_index = lane.first_from(self.next_index);
         self
     }
 
@@ -102,20 +105,24 @@ impl<F: FrameSource> SegmentReader<F> {
                 if h.fingerprint != self.fingerprint {
                     return Err(CoreError::wire(format!("weights fingerprint {} does not match the decoder's {}", h.fingerprint, self.fingerprint)));
                 }
-                if h.index != self.next_index || h.start != self.next_start {
+                let single = self.lane.count == 1;
+                if h.index != self.next_index || (single && h.start != self.next_start) {
                     return Err(CoreError::wire(format!("segment {} at token {} out of order: expected segment {} at token {}", h.index, h.start, self.next_index, self.next_start)));
                 }
-                self.next_index += 1;
+                self.next_index += self.lane.count as u32;
                 self.next_start = h.end;
                 Ok(Event::Segment(seg))
             }
             FrameKind::Seal => {
                 let seal: Seal = serde_json::from_slice(payload).map_err(|e| CoreError::wire(format!("seal: {e}")))?;
-                let blocks = match &seal {
-                    Seal::Complete { blocks, .. } | Seal::Partial { blocks, .. } | Seal::Aborted { blocks, .. } => *blocks,
-                };
-                if blocks != self.next_index {
-                    return Err(CoreError::wire(format!("seal claims {blocks} blocks, {} arrived", self.next_index)));
+                // Every segment this lane carries below the seal's count arrived, and no more.
+                let blocks = seal.blocks();
+                if self.lane.first_from(blocks) != self.next_index {
+                    return Err(CoreError::wire(if self.lane.count == 1 {
+                        format!("seal claims {blocks} blocks, {} arrived", self.next_index)
+                    } else {
+                        format!("seal claims {blocks} blocks, lane {} of {} stopped before segment {}", self.lane.index, self.lane.count, self.next_index)
+                    }));
                 }
                 self.sealed = true;
                 Ok(Event::Seal(seal))

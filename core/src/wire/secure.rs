@@ -13,8 +13,9 @@
 //!   has sent a frame under the session keys (a replayed first message cannot);
 //! - two captures that share an id and secret but differ in prompt or weights never match.
 //!
-//! On the wire, after a clear hello (`"PDBW" | version | 1 | u16 id length | capture id | u16
-//! length | Noise message 1`, the clear part bound into the handshake as its prologue) and the
+//! On the wire, after a clear hello (`"PDBW" | version | 1 | u16 id length | capture id | u8 lane |
+//! u8 lanes | u16 length | Noise message 1`, the clear part bound into the handshake as its
+//! prologue; lanes: [`super::lanes`]) and the
 //! server's clear answer (`"PDBW" | version | 2 (accept) or 3 (refuse) | u16 length | Noise
 //! message 2 or a reason`, after any number of `"PDBW" | version | 4 (waiting) | u16 0` while the
 //! capture has not started: unauthenticated, so they only keep the decode host's idle deadline
@@ -28,6 +29,7 @@ use hkdf::Hkdf;
 use sha2::{Digest, Sha256};
 
 use super::frame::{encode_head, parse_head, FrameKind, FrameSink, FrameSource, FRAME_HEAD};
+use super::lanes::Lane;
 use super::limits::FrameLimits;
 use super::{MAGIC, VERSION};
 use crate::error::{CoreError, Result};
@@ -168,14 +170,15 @@ impl CaptureKey {
 
 /// What both sides bind into the handshake: everything the hello carried in the clear.
 pub(super) fn prologue_for(request_id: &str) -> Vec<u8> {
-    prologue(request_id)
+    prologue(request_id, Lane::SINGLE)
 }
 
-fn prologue(request_id: &str) -> Vec<u8> {
+fn prologue(request_id: &str, lane: Lane) -> Vec<u8> {
     let mut p = Vec::with_capacity(8 + request_id.len());
     p.extend_from_slice(MAGIC);
     p.push(VERSION);
     p.push(HELLO);
+    p.extend_from_slice(&[lane.index, lane.count]);
     p.extend_from_slice(request_id.as_bytes());
     p
 }
@@ -205,12 +208,18 @@ fn read_preamble(r: &mut impl Read, who: &str) -> Result<u8> {
 
 /// Decode host: open the channel for `request_id` with its key, over a connected stream.
 /// Fails with `CoreError::Auth` when the server does not prove the key.
-pub fn connect<S: Read + Write>(mut stream: S, key: &CaptureKey, request_id: &str) -> Result<SecureChannel<S>> {
+pub fn connect<S: Read + Write>(stream: S, key: &CaptureKey, request_id: &str) -> Result<SecureChannel<S>> {
+    connect_lane(stream, key, request_id, Lane::SINGLE)
+}
+
+/// Decode host: open one lane of a capture pulled over several ([`super::lanes`]).
+pub fn connect_lane<S: Read + Write>(mut stream: S, key: &CaptureKey, request_id: &str, lane: Lane) -> Result<SecureChannel<S>> {
     if request_id.is_empty() || request_id.len() > MAX_REQUEST_ID {
         return Err(CoreError::config("request_id", format!("must be 1 to {MAX_REQUEST_ID} bytes")));
     }
+    let lane = Lane::new(lane.index, lane.count)?;
     let mut hs = snow::Builder::new(params())
-        .prologue(&prologue(request_id))
+        .prologue(&prologue(request_id, lane))
         .and_then(|b| b.psk(0, &key.0))
         .and_then(|b| b.build_initiator())
         .map_err(|e| CoreError::wire(format!("handshake setup: {e}")))?;
@@ -221,6 +230,7 @@ pub fn connect<S: Read + Write>(mut stream: S, key: &CaptureKey, request_id: &st
     hello.extend_from_slice(&[VERSION, HELLO]);
     hello.extend_from_slice(&(request_id.len() as u16).to_le_bytes());
     hello.extend_from_slice(request_id.as_bytes());
+    hello.extend_from_slice(&[lane.index, lane.count]);
     hello.extend_from_slice(&(n as u16).to_le_bytes());
     hello.extend_from_slice(&msg[..n]);
     stream.write_all(&hello).and_then(|_| stream.flush()).map_err(io("sending the hello"))?;
@@ -261,12 +271,14 @@ pub fn connect<S: Read + Write>(mut stream: S, key: &CaptureKey, request_id: &st
 /// Prefill host: a client's clear hello, read and bounded before any key is known.
 pub struct Hello {
     pub request_id: String,
+    /// Which lane of the capture this connection asks for.
+    pub lane: Lane,
     message: Vec<u8>,
 }
 
 impl std::fmt::Debug for Hello {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hello").field("request_id", &self.request_id).finish_non_exhaustive()
+        f.debug_struct("Hello").field("request_id", &self.request_id).field("lane", &self.lane).finish_non_exhaustive()
     }
 }
 
@@ -286,18 +298,21 @@ impl Hello {
         let mut id = vec![0u8; id_len];
         r.read_exact(&mut id).map_err(io("reading the hello"))?;
         let request_id = String::from_utf8(id).map_err(|_| CoreError::wire("capture id is not UTF-8"))?;
+        let mut lane = [0u8; 2];
+        r.read_exact(&mut lane).map_err(io("reading the hello"))?;
+        let lane = Lane::new(lane[0], lane[1]).map_err(|e| CoreError::wire(format!("the hello's lane: {e}")))?;
         let len = read_u16(r, "reading the hello")?;
         if len > MAX_HANDSHAKE_MESSAGE {
             return Err(CoreError::wire(format!("handshake message of {len} bytes (at most {MAX_HANDSHAKE_MESSAGE})")));
         }
         let mut message = vec![0u8; len];
         r.read_exact(&mut message).map_err(io("reading the hello"))?;
-        Ok(Hello { request_id, message })
+        Ok(Hello { request_id, lane, message })
     }
 
     /// Whether the client used `key` (the first message decrypts and authenticates under it).
     pub fn try_key(&self, key: &CaptureKey) -> Option<Matched> {
-        let mut hs = snow::Builder::new(params()).prologue(&prologue(&self.request_id)).ok()?.psk(0, &key.0).ok()?.build_responder().ok()?;
+        let mut hs = snow::Builder::new(params()).prologue(&prologue(&self.request_id, self.lane)).ok()?.psk(0, &key.0).ok()?.build_responder().ok()?;
         let mut payload = [0u8; MAX_HANDSHAKE_MESSAGE];
         hs.read_message(&self.message, &mut payload).ok().map(|_| Matched(hs))
     }

@@ -173,6 +173,7 @@ pub fn pull(
         prompt: pd_bridge_core::wire::PromptDigest::of(tokens),
         limits: pd_bridge_core::wire::FrameLimits::for_plan(&w.plan, writer.format(), block),
         timeout,
+        lanes: 1,
     };
     pd_bridge_core::ingest::ingest(&p, writer, control, on_block)
 }

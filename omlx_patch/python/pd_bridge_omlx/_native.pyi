@@ -266,13 +266,15 @@ def ingest(
     *,
     secret: str,
     token_ids: list[int],
+    lanes: int = 1,
 ) -> tuple[int, str]:
     """Receive ``request_id``'s segments from the prefill host at ``host:port``, writing each
     block with ``writer`` as it arrives; ``on_block(block)`` gets each block's ``LandedBlock``
     once it is on disk under its final name and validated (path, hash, the validator's verdict).
-    The stream is encrypted (wire version 2) and both sides prove the capture's key, derived from
+    The stream is encrypted (wire version 4) and both sides prove the capture's key, derived from
     ``token``, ``secret`` (as sent in ``pd_capture.secret``), ``request_id``, ``fingerprint`` and
     ``token_ids`` (the prompt exactly as sent to vLLM): a prefill host that cannot is refused
-    (AuthError) before a byte of cache is accepted. Frame lengths are capped by what one block
+    (AuthError) before a byte of cache is accepted. ``lanes`` > 1 pulls it over that many
+    streams at once (1 to 16; blocks are still written in chain order). Frame lengths are capped by what one block
     of the writer's plan (its ``model_dir``) can hold. Returns ``(blocks_written,
     verdict_json)``; a broken stream raises PdBridgeError (args ``(message, blocks)``)."""

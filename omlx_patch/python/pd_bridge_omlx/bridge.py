@@ -578,7 +578,7 @@ class Bridge:
 
         def pull():
             return ingest(target.segments_host, target.segments_port, cfg.token, capture_id, fingerprint, writer,
-                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids)  # fmt: skip
+                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids, lanes=cfg.wire_lanes)  # fmt: skip
 
         spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format, "secret": secret}
         if carry is not None:

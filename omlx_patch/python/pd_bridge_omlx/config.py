@@ -58,6 +58,10 @@ class BridgeConfig:
     max_bridges: int = 4
     #: vLLM's ``--api-key``, sent as ``Authorization: Bearer`` (vLLM guards its ``/v1`` routes).
     prefill_api_key: str | None = None
+    #: Streams one capture is pulled over at once (each sealed and opened on its own core at
+    #: both ends): one stream carries about what one core encrypts (~1.6 GB/s), so a link faster
+    #: than 10 GbE wants more.
+    wire_lanes: int = 1
 
     # The first prefill host's (the only one's, in the common case).
     @property
@@ -158,4 +162,12 @@ def from_env(env=None) -> BridgeConfig | None:
         connect_timeout_s=_float(env, "PD_BRIDGE_CONNECT_TIMEOUT_S", 5.0),
         max_bridges=_int(env, "PD_BRIDGE_MAX_BRIDGES", 4, minimum=1),
         prefill_api_key=env.get("PD_BRIDGE_PREFILL_API_KEY", "").strip() or None,
+        wire_lanes=_wire_lanes(env),
     )
+
+
+def _wire_lanes(env) -> int:
+    lanes = _int(env, "PD_BRIDGE_WIRE_LANES", 1, minimum=1)
+    if lanes > 16:
+        raise BridgeConfigError(f"PD_BRIDGE_WIRE_LANES={lanes} must be at most 16")
+    return lanes
