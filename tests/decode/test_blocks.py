@@ -239,10 +239,12 @@ print(r["registered"] == [good.stem], len(r["rejected"]) == 1, m.has_block(bytes
     assert out.stdout.split()[:3] == ["True", "True", "True"], out.stdout
 
 
-def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path, lanes):
     """The prefill side's capture engine (pd_bridge_vllm) fed with MLX's attention inputs streams
     segments over loopback TCP as blocks complete; the oMLX side (pd_bridge_omlx) ingests them
-    into a running oMLX's cache, rescans, and the prompt is served as a hit with the native answer."""
+    into a running oMLX's cache, rescans, and the prompt is served as a hit with the native answer.
+    Over one stream, and over three lanes (blocks still land in chain order)."""
     import threading
 
     import parity
@@ -272,7 +274,7 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path):
         landed = []
         blocks, verdict = pd_bridge_omlx.ingest(
             "127.0.0.1", server.port, b"shared-secret", "req-1", pd_bridge_omlx.Weights.load(str(model_dir)).fingerprint,
-            writer, on_block=landed.append, secret=secret, token_ids=list(native.ids),
+            writer, on_block=landed.append, secret=secret, token_ids=list(native.ids), lanes=lanes,
         )
         arrived = [b.index for b in landed]
         # Each block is handed over once, with its path and the validator's verdict on the file

@@ -25,6 +25,7 @@ def test_defaults_and_derived_segment_address():
     assert (cfg.segments_host, cfg.segments_port) == ("gpu-box", 7188)
     assert cfg.token == b"s3cret" and cfg.min_prompt_tokens == 2048 and cfg.min_uncached_tokens == 1024
     assert config.from_env({}) is None  # no prefill host: bridge off
+    assert cfg.wire_lanes == 1 and config.from_env({**GOOD, "PD_BRIDGE_WIRE_LANES": "4"}).wire_lanes == 4
 
 
 def test_several_prefill_hosts_pair_with_their_segment_servers_in_order():
@@ -75,6 +76,8 @@ def test_data_parallel_ranks_are_targets_of_their_own():
         ({"PD_BRIDGE_MIN_UNCACHED_TOKENS": "0"}, "PD_BRIDGE_MIN_UNCACHED_TOKENS"),
         ({"PD_BRIDGE_TIMEOUT_S": "-1"}, "PD_BRIDGE_TIMEOUT_S"),
         ({"PD_BRIDGE_IDLE_S": "nan"}, "PD_BRIDGE_IDLE_S"),
+        ({"PD_BRIDGE_WIRE_LANES": "0"}, "PD_BRIDGE_WIRE_LANES"),
+        ({"PD_BRIDGE_WIRE_LANES": "17"}, "PD_BRIDGE_WIRE_LANES"),
     ],
 )
 def test_bad_settings_name_their_variable(extra, names):
