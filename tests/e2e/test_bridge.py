@@ -278,13 +278,14 @@ class _BusyPrefillHost:
 
 def test_several_prefill_hosts_fail_over_and_two_decode_hosts_share_one(model, work, vllm, bridged):
     # A second oMLX lists three prefill hosts: one that refuses prefills, one that is down, and
-    # the real vLLM; it bridges while the module's oMLX bridges through the same vLLM.
+    # the real vLLM; it bridges while the module's oMLX bridges through the same vLLM. The second
+    # pulls its capture over three lanes (the first over one stream) from the same segment server.
     busy = _BusyPrefillHost()
     dead_seg, dead_http, dead_seg2 = O.free_port(), O.free_port(), O.free_port()
     urls = f"{busy.url},http://127.0.0.1:{dead_http},{vllm.url}"
     segs = f"127.0.0.1:{dead_seg},127.0.0.1:{dead_seg2},127.0.0.1:{vllm.segments_port}"
     try:
-        with E.omlx_bridged(model, work, vllm, PD_BRIDGE_PREFILL_URL=urls, PD_BRIDGE_SEGMENTS=segs) as second:
+        with E.omlx_bridged(model, work, vllm, PD_BRIDGE_PREFILL_URL=urls, PD_BRIDGE_SEGMENTS=segs, PD_BRIDGE_WIRE_LANES="3") as second:
             first_prompt, first_ids = O.prompt_of_tokens(model.omlx_dir, LONG, seed=31)
             second_prompt, second_ids = O.prompt_of_tokens(model.omlx_dir, LONG, seed=32)
             results: dict[str, tuple] = {}
