@@ -180,6 +180,10 @@ def bridge_env(prefill_url: str, segments_port: int, api_key: str | None = None,
         "PD_BRIDGE_MIN_UNCACHED_TOKENS": "512",
         "PD_BRIDGE_TIMEOUT_S": "120",
         "PD_BRIDGE_IDLE_S": "30",
+        # The tiny test models prefill natively faster than any bridge, so the decision from
+        # measured rates would serve them natively once it has measured both: the tests of the
+        # bridge path pin the fixed floors; test_the_decision_from_measured_rates runs the default.
+        "PD_BRIDGE_DECIDE": "thresholds",
     }
     env.update({k: str(v) for k, v in overrides.items()})
     return env

@@ -19,6 +19,7 @@ natively (same engine, same arithmetic).
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -314,6 +315,36 @@ def test_several_prefill_hosts_fail_over_and_two_decode_hosts_share_one(model, w
         assert_faithful(model, bridged, first_ids, 1792)
     finally:
         busy.close()
+
+
+def test_the_decision_from_measured_rates(model, work, vllm):
+    """The default decision (PD_BRIDGE_DECIDE=rates) with real engines: a native prefill gives
+    the native rate; the first long prompt is bridged, since the prefill host is not measured
+    yet, and gives its rate; the next long prompt is served natively when that is predicted
+    faster, with both predictions in its reason. A tiny model on this CPU prefills natively far
+    faster than any bridge, so that is what the measured rates say."""
+    with E.omlx_bridged(model, work, vllm, PD_BRIDGE_DECIDE="rates") as server:
+        short, _ = O.prompt_of_tokens(model.omlx_dir, 900, seed=71)  # under the 1024 floor: native
+        _, headers, _ = E.completion(server, short, max_tokens=ANSWER_TOKENS)
+        assert headers["x-pd-bridge"].startswith("native;"), headers["x-pd-bridge"]
+        st = json.loads(E._get(f"{server.base_url}/pd-bridge/v1/status"))
+        assert st["decide"] == "rates" and [e["samples"] for e in st["rates"]["native"].values()] == [1], st["rates"]
+        first, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=72)
+        resp, headers, _ = E.completion(server, first, max_tokens=ANSWER_TOKENS)
+        assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792", headers["x-pd-bridge"]
+        st = json.loads(E._get(f"{server.base_url}/pd-bridge/v1/status"))
+        host = st["rates"]["prefill_hosts"][0]
+        assert host["samples"] == 1 and host["bridge_tok_s"] > 0 and host["bytes_per_token"] > 0 and host["queue"] is not None, host
+        second, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=73)
+        resp, headers, _ = E.completion(server, second, max_tokens=ANSWER_TOKENS)
+        verdict = headers["x-pd-bridge"]
+        assert re.match(r'native; reason="predicted native [0-9.]+ s < bridged [0-9.]+ s for 1792 uncached tokens"$', verdict), verdict
+        assert E.cached_tokens(resp) == 0 and answer(resp)
+        # The doctor prints what the running oMLX measured, and the break-even.
+        env = {**os.environ, **E.bridge_env(vllm.url, vllm.segments_port, vllm.api_key)}
+        out = subprocess.run([*E._pd_bridge_cli(), "doctor", "--omlx-url", server.base_url], env=env, capture_output=True, text=True, timeout=300)
+        assert "measured rates (oMLX at" in out.stdout and "ok    native prefill rate:" in out.stdout, out.stdout
+        assert "ok    prefill host 1 bridge rate:" in out.stdout and "ok    prefill host 1 break-even:" in out.stdout, out.stdout
 
 
 def test_doctor_checks_every_link(model, vllm, bridged):

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from . import config as config_mod
+from . import rates as rates_mod
 from . import store, versions
 from ._native import BlockRejected, BlockWriter, IngestControl, LandedBlock, PdBridgeError, Weights, capture_secret, carry_state, ingest
 from .verdict import Verdict, native
@@ -195,6 +196,19 @@ class PrefillHost:
 
     def _request(self, path: str, body: dict | None, timeout: float, headers: dict[str, str] | None = None) -> dict:
         url = f"{self.url}{path}"
+        raw = self._fetch(path, body, timeout, headers)
+        if not raw.strip():
+            return {}
+        try:
+            got = json.loads(raw)
+        except ValueError:
+            raise PrefillUnavailable(f"{url} answered something that is not JSON: {raw[:200]!r}") from None
+        if not isinstance(got, dict):
+            raise PrefillUnavailable(f"{url} answered JSON that is not an object: {raw[:200]!r}")
+        return got
+
+    def _fetch(self, path: str, body: dict | None, timeout: float, headers: dict[str, str] | None = None) -> bytes:
+        url = f"{self.url}{path}"
         limits = httpx.Timeout(timeout, connect=min(self.cfg.connect_timeout_s, timeout))
         # httpx's timeouts bound each read, not the answer: a host that trickles a byte at a time
         # would hold the request (and its bridge slot) for ever. The whole answer has `timeout`.
@@ -225,18 +239,17 @@ class PrefillHost:
             raise PrefillUnavailable(f"{url} is unreachable: {str(e) or type(e).__name__}") from None
         if resp.status_code >= 400:
             raise PrefillUnavailable(f"{url} answered HTTP {resp.status_code}: {raw[:300].decode('utf-8', 'replace')}")
-        if not raw.strip():
-            return {}
-        try:
-            got = json.loads(raw)
-        except ValueError:
-            raise PrefillUnavailable(f"{url} answered something that is not JSON: {raw[:200]!r}") from None
-        if not isinstance(got, dict):
-            raise PrefillUnavailable(f"{url} answered JSON that is not an object: {raw[:200]!r}")
-        return got
+        return raw
 
     def check_health(self) -> None:
         self._request("/health", None, timeout=3.0)
+
+    def queue(self) -> int | None:
+        """Requests running + waiting on the host (vLLM's ``/metrics``); None when it has none."""
+        try:
+            return rates_mod.parse_queue(self._fetch("/metrics", None, timeout=3.0).decode("utf-8", "replace"))
+        except PrefillUnavailable:
+            return None
 
     def model(self) -> str:
         if self._model is None:
@@ -272,6 +285,8 @@ class Bridge:
         # This decode host's bridges in flight per prefill host (picks the least busy).
         self._host_load = [0] * len(self.hosts)
         self._host_lock = threading.Lock()
+        # Measured rates: native prefill per model, each host's bridges (rates.py).
+        self.rates = rates_mod.Rates(len(self.hosts), max_age_s=cfg.rate_max_age_s if cfg is not None else 600.0)
         max_bridges = cfg.max_bridges if cfg is not None else 1
         self._decide_pool = concurrent.futures.ThreadPoolExecutor(max_workers=_DECIDE_THREADS, thread_name_prefix="pd-bridge-decide")
         # Each admitted bridge runs at most two I/O jobs at once (the prefill request and the
@@ -319,21 +334,30 @@ class Bridge:
             "max_bridges": c.max_bridges,
             # Per prefill host, in the configured order (never their addresses).
             "prefill_hosts": [{"in_flight": n} for n in self._host_loads()],
+            # What the decision reads (PD_BRIDGE_DECIDE=rates): measured rates and break-evens.
+            "decide": c.decide,
+            "rates": self.rates.snapshot(),
         }
 
     def _host_loads(self) -> list[int]:
         with self._host_lock:
             return list(self._host_load)
 
-    def _take_host(self, tried: set[int]) -> int | None:
-        """The least busy prefill host (this decode host's bridges in flight; the configured
-        order on a tie) not yet tried, charged one bridge in the same critical section, so that
-        bridges starting together spread over the hosts; None when every one was tried."""
+    def _take_host(self, tried: set[int], predicted: tuple[float | None, ...] = ()) -> int | None:
+        """The prefill host not yet tried with the lowest predicted time (one not measured yet
+        first, to measure it), then the least busy (this decode host's bridges in flight), then
+        the configured order; charged one bridge in the same critical section, so that bridges
+        starting together spread over the hosts; None when every one was tried."""
         with self._host_lock:
             free = [i for i in range(len(self._host_load)) if i not in tried]
             if not free:
                 return None
-            i = min(free, key=lambda k: (self._host_load[k], k))
+
+            def rank(k: int) -> float:
+                p = predicted[k] if k < len(predicted) else None
+                return -1.0 if p is None else p
+
+            i = min(free, key=lambda k: (rank(k), self._host_load[k], k))
             self._host_load[i] += 1
             return i
 
@@ -443,20 +467,31 @@ class Bridge:
             what = f"prefix cached: {cached * block_size} of {n} tokens" if cached else f"{nblocks} full blocks of {block_size} tokens"
             return native(f"{what}; {uncached} bridgeable uncached tokens is under PD_BRIDGE_MIN_UNCACHED_TOKENS={cfg.min_uncached_tokens}", request_id), 0, ids
 
+        # Past the floors: bridge where that is predicted faster (rates.py), else natively.
+        predicted = None
+        if cfg.decide == "rates":
+            predicted = self.rates.predict(self._model_key(engine_core, scheduler), uncached, self._host_loads())
+            why = predicted.native_reason()
+            if why is not None:
+                return native(why, request_id), 0, ids
+
         # From here a bridge is tried: failures are "declined" (or "partial").
         slot = self._slots.try_take()
         if slot is None:
             return Verdict("declined", f"{cfg.max_bridges} bridges already in flight (PD_BRIDGE_MAX_BRIDGES={cfg.max_bridges})", request_id=request_id), 0, ids
         try:
-            return await self._admitted(engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached)
+            return await self._admitted(engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached, predicted)
         finally:
             slot.done()
 
-    async def _admitted(self, engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached: int = 0) -> tuple[Verdict, int, list[int] | None]:
+    def _model_key(self, engine_core, scheduler) -> str:
+        """The directory oMLX loaded the model from: the engine's model_name on every supported
+        oMLX (upstream's scheduler holds the model id instead); the key of its rates too."""
+        return self.cfg.weights_dir or str(getattr(getattr(engine_core, "config", None), "model_name", "") or scheduler.config.model_name)
+
+    async def _admitted(self, engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached: int = 0, predicted: rates_mod.Prediction | None = None) -> tuple[Verdict, int, list[int] | None]:
         cfg = self.cfg
-        # The directory oMLX loaded the model from: the engine's model_name on every supported
-        # oMLX (upstream's scheduler holds the model id instead).
-        weights_dir = cfg.weights_dir or str(getattr(getattr(engine_core, "config", None), "model_name", "") or scheduler.config.model_name)
+        weights_dir = self._model_key(engine_core, scheduler)
         try:
             fingerprint = await self._fingerprint(weights_dir, slot)
         except Exception as e:
@@ -465,15 +500,19 @@ class Bridge:
         passed: list[str] = []  # why each host tried so far was passed over
         tried: set[int] = set()
         t_first = time.perf_counter()
-        while (i := self._take_host(tried)) is not None:
+        while (i := self._take_host(tried, predicted.bridged_s if predicted is not None else ())) is not None:
             tried.add(i)
             host = self.hosts[i]
             name = host.target.label
             last = len(tried) == len(self.hosts) or time.perf_counter() - t_first > cfg.timeout_s
+            t_host = time.perf_counter()
             try:
                 try:
                     await asyncio.wait_for(self._io(slot, host.check_health), probe)
                     await asyncio.wait_for(self._io(slot, host.model), probe)
+                    if cfg.decide == "rates":
+                        # The host's queue, for the next decision (this one is made).
+                        self.rates.observe_queue(i, await asyncio.wait_for(self._io(slot, host.queue), probe))
                 except (PrefillUnavailable, asyncio.TimeoutError) as e:
                     why = f"{name} unhealthy: " + (str(e) if isinstance(e, PrefillUnavailable) else f"its health check and model list did not answer within {probe:g}s")
                     if last:
@@ -486,6 +525,8 @@ class Bridge:
             finally:
                 self._charge(i, -1)
             verdict.phases["decide"] = t_decided - t0
+            if verdict.kind == "complete":
+                self.rates.observe_bridge(i, verdict.tokens - verdict.resumed_at, verdict.phases.get("total", 0.0), t_decided - t_host, nbytes)
             if host_failed and not last:
                 # Nothing of this host's arrived: the next host starts clean.
                 why = f"{name}: {verdict.reason}"

@@ -5,10 +5,12 @@
         and their fingerprint into OUT_DIR; copy OUT_DIR to the prefill host and point
         PD_BRIDGE_VLLM_WEIGHTS (or kv_connector_extra_config.weights) at it.
 
-    pd-bridge doctor [--model-dir MODEL_DIR]
+    pd-bridge doctor [--model-dir MODEL_DIR] [--omlx-url URL]
         Check every link: versions, environment, the prefill host's health, the segment
         server's reachability and shared token, the weights fingerprint, and a tiny round trip
         (one block prefilled on vLLM, streamed, written and validated here). Says what to fix.
+        With --omlx-url (the running oMLX), also the rates it measured and the break-even
+        prompt length for this pair of machines.
 """
 
 from __future__ import annotations
@@ -96,8 +98,42 @@ def _doctor(args) -> int:
             _doctor_links(d, cfg, host, args)
         finally:
             host.close()
+    if args.omlx_url:
+        _doctor_rates(d, args.omlx_url.rstrip("/"))
     print(f"{d.failures} problem(s)" if d.failures else "all links ok")
     return 1 if d.failures else 0
+
+
+def _doctor_rates(d: _Doctor, omlx_url: str) -> None:
+    """The rates the running oMLX measured (``/pd-bridge/v1/status``), and the break-even."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{omlx_url}/pd-bridge/v1/status", timeout=10) as r:
+            status = json.loads(r.read())
+    except Exception as e:
+        d.fail("measured rates", f"{omlx_url}/pd-bridge/v1/status: {e}", "pass the URL of the oMLX that runs with the bridge (--omlx-url http://127.0.0.1:8000)")
+        return
+    rates = status.get("rates")
+    if not isinstance(rates, dict):
+        d.fail("measured rates", f"{omlx_url} reports none (bridge {status.get('bridge', '?')})", "start oMLX with PD_BRIDGE_OMLX=1 and a prefill host")
+        return
+    print(f"measured rates (oMLX at {omlx_url}, decision: {status.get('decide', '?')})")
+    native = rates.get("native") or {}
+    if not native:
+        d.skip("native prefill rate", "no native prefill of 256 or more uncached tokens yet")
+    for model, e in native.items():
+        d.ok("native prefill rate", f"{model}: {e['tok_s']:,.0f} tok/s ({e['samples']} samples, latest {e['age_s']:.0f} s ago)")
+    for i, h in enumerate(rates.get("prefill_hosts") or []):
+        name = f"prefill host {i + 1}"
+        if not h.get("samples"):
+            d.skip(f"{name} bridge rate", "no complete bridge yet")
+            continue
+        stream = f", stream {h['stream_mb_s']:,.0f} MB/s" if h.get("stream_mb_s") is not None else ""
+        d.ok(f"{name} bridge rate", f"{h['bridge_tok_s']:,.0f} tok/s end to end, {h['overhead_s']:.2f} s before the prefill request{stream}, queue {h.get('queue')} ({h['samples']} samples)")
+        for model, n in (h.get("break_even_tokens") or {}).items():
+            what = f"bridging pays from {n:,} uncached tokens" if n else "never: a native prefill is predicted faster at every length"
+            d.ok(f"{name} break-even", f"{model}: {what}")
 
 
 def _doctor_links(d: _Doctor, cfg, host, args) -> None:
@@ -195,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     dr = sub.add_parser("doctor", help="check every link and say what to fix")
     dr.add_argument("--model-dir", help="the MLX model directory oMLX serves (enables the fingerprint check and round trip)")
     dr.add_argument("--block-size", type=int, default=256, help="oMLX's cache block size for this model (default 256)")
+    dr.add_argument("--omlx-url", help="the running oMLX (e.g. http://127.0.0.1:8000): print the rates it measured and the break-even prompt length")
     dr.set_defaults(func=_doctor)
     args = p.parse_args(argv)
     return args.func(args)

@@ -62,6 +62,11 @@ class BridgeConfig:
     #: both ends): one stream carries about what one core encrypts (~1.6 GB/s), so a link faster
     #: than 10 GbE wants more.
     wire_lanes: int = 1
+    #: How a prompt past the floors is decided: "rates" (bridge only where predicted faster than
+    #: a native prefill, from measured rates: rates.py) or "thresholds" (always bridge).
+    decide: str = "rates"
+    #: A prefill host's estimate older than this is re-measured by bridging.
+    rate_max_age_s: float = 600.0
 
     # The first prefill host's (the only one's, in the common case).
     @property
@@ -163,7 +168,16 @@ def from_env(env=None) -> BridgeConfig | None:
         max_bridges=_int(env, "PD_BRIDGE_MAX_BRIDGES", 4, minimum=1),
         prefill_api_key=env.get("PD_BRIDGE_PREFILL_API_KEY", "").strip() or None,
         wire_lanes=_wire_lanes(env),
+        decide=_decide(env),
+        rate_max_age_s=_float(env, "PD_BRIDGE_RATE_MAX_AGE_S", 600.0),
     )
+
+
+def _decide(env) -> str:
+    how = env.get("PD_BRIDGE_DECIDE", "").strip().lower() or "rates"
+    if how not in ("rates", "thresholds"):
+        raise BridgeConfigError(f"PD_BRIDGE_DECIDE={how!r} must be 'rates' or 'thresholds'")
+    return how
 
 
 def _wire_lanes(env) -> int:

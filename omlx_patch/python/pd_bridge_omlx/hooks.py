@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import time
 from pathlib import Path
 
 from . import store, versions
@@ -136,6 +137,70 @@ class Admissions:
 ADMISSIONS = Admissions()
 
 
+class NativePrefills:
+    """Times oMLX's own prefills, for the decision's native rate (``rates.py``): a request
+    served natively is timed from its entry into oMLX to its first output with a token, over the
+    prompt tokens oMLX did not take from its prefix cache. Bounded: entries of requests that
+    never produce an output (aborted) go after ``MAX_AGE_S`` or past ``MAX_ENTRIES``."""
+
+    MAX_ENTRIES = 1024
+    MAX_AGE_S = 3600.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, list] = {}  # request id -> [model, prompt tokens, start, cached, observe]
+
+    def start(self, request_id: str, model: str, tokens: int, observe) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            for rid in [r for r, e in self._open.items() if now - e[2] > self.MAX_AGE_S][: self.MAX_ENTRIES]:
+                del self._open[rid]
+            while len(self._open) >= self.MAX_ENTRIES:
+                del self._open[next(iter(self._open))]
+            self._open[request_id] = [model, tokens, now, 0, observe]
+
+    def cached(self, request_id: str, cached_tokens: int) -> None:
+        with self._lock:
+            e = self._open.get(request_id)
+            if e is not None:
+                e[3] = cached_tokens
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._open.pop(request_id, None)
+
+    def first_output(self, request_id: str) -> None:
+        with self._lock:
+            e = self._open.pop(request_id, None)
+        if e is not None:
+            model, tokens, start, cached, observe = e
+            observe(model, tokens - cached, time.perf_counter() - start)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+NATIVE_PREFILLS = NativePrefills()
+
+
+def _install_first_output_hook(entry: versions.OmlxVersion) -> None:
+    """Tell ``NATIVE_PREFILLS`` when a request's first token is handed out."""
+    owner, attr = _hook(entry.first_output)
+    original = getattr(owner, attr)
+
+    def put(self, output, *args, **kwargs):
+        try:
+            if len(NATIVE_PREFILLS) and (getattr(output, "completion_tokens", 0) or getattr(output, "new_token_ids", None)):
+                NATIVE_PREFILLS.first_output(output.request_id)
+        except Exception:  # never fail oMLX's engine loop
+            logger.exception("pd-bridge: timing a native prefill failed")
+        return original(self, output, *args, **kwargs)
+
+    put.__wrapped__ = original
+    setattr(owner, attr, put)
+
+
 def _install_admission_hook(entry: versions.OmlxVersion) -> None:
     """Tell ``ADMISSIONS`` how many tokens oMLX took from its prefix cache, right after its lookup."""
     owner, attr = _hook(entry.prefix_lookup)
@@ -144,7 +209,9 @@ def _install_admission_hook(entry: versions.OmlxVersion) -> None:
     def prefix_lookup(self, request, *args, **kwargs):
         out = original(self, request, *args, **kwargs)
         try:
-            ADMISSIONS.admitted(request.request_id, int(getattr(request, "cached_tokens", 0) or 0))
+            cached = int(getattr(request, "cached_tokens", 0) or 0)
+            ADMISSIONS.admitted(request.request_id, cached)
+            NATIVE_PREFILLS.cached(request.request_id, cached)
         except Exception:  # never fail oMLX's scheduler
             logger.exception("pd-bridge[%s]: confirming the verdict failed", getattr(request, "request_id", "?"))
         return out
@@ -163,6 +230,7 @@ def install_bridge() -> None:
         at_admission = entry.lookup_at == "admission"
         if at_admission:
             _install_admission_hook(entry)
+        _install_first_output_hook(entry)
         import asyncio
         import inspect
         import uuid
@@ -233,11 +301,21 @@ def install_bridge() -> None:
                     if ADMISSIONS.withdraw(request_id):
                         finish(refused(claimed, e))
                     raise
+            # A prompt oMLX prefills itself (wholly, or all but a few tokens) is timed for the
+            # native rate; only prompts of the bridge's own scale say much about it.
+            timed = verdict.kind in ("native", "declined") and isinstance(bound.arguments.get("prompt"), list) and bridge.cfg is not None
+            if timed:
+                NATIVE_PREFILLS.start(request_id, bridge._model_key(self, self.scheduler), len(bound.arguments["prompt"]), bridge.rates.observe_native)
             try:
                 rid = await original(*bound.args, **bound.kwargs)
                 verdict = bridge.confirm(self, rid, verdict)
+                if timed and not at_admission:
+                    # The lookup ran inside add_request: what it took from the cache is known.
+                    req = getattr(self.scheduler, "requests", {}).get(rid)
+                    NATIVE_PREFILLS.cached(request_id, int(getattr(req, "cached_tokens", 0) or 0))
                 return rid
             except BaseException as e:
+                NATIVE_PREFILLS.forget(request_id)
                 verdict = refused(verdict, e)
                 raise
             finally:

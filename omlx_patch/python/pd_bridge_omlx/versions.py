@@ -39,6 +39,9 @@ class OmlxVersion:
     block_reader: tuple[str, str, str]  # reads one block file's metadata for the index
     request_entry: tuple[str, str, str]  # where a request enters the engine (the bridge runs first)
     prefix_lookup: tuple[str, str, str]  # where the scheduler looks the prompt up in the prefix cache
+    # Where the engine hands a request its outputs: the first one with a token ends its prefill
+    # (times native prefills for the rate-based decision, rates.py).
+    first_output: tuple[str, str, str]
     # When that lookup has run: "request_entry" (inside it: done when it returns) or "admission"
     # (later, when the scheduler admits the request: the verdict is confirmed from that hook).
     lookup_at: str
@@ -67,6 +70,7 @@ SUPPORTED: tuple[OmlxVersion, ...] = (
         block_reader=("omlx.cache.paged_ssd_cache", "PagedSSDCacheManager", "_read_file_metadata"),
         request_entry=("omlx.engine_core", "EngineCore", "add_request"),
         prefix_lookup=("omlx.scheduler", "Scheduler", "_prepare_prefix_cache_for_request"),
+        first_output=("omlx.output_collector", "RequestOutputCollector", "put"),
         lookup_at="admission",
         server="omlx.server",
         settings_dir=".omlx",
@@ -80,6 +84,7 @@ SUPPORTED: tuple[OmlxVersion, ...] = (
         block_reader=("omlx.cache.paged_ssd_cache", "PagedSSDCacheManager", "_read_file_metadata"),
         request_entry=("omlx.engine_core", "EngineCore", "add_request"),
         prefix_lookup=("omlx.scheduler", "Scheduler", "add_request"),
+        first_output=("omlx.output_collector", "RequestOutputCollector", "put"),
         lookup_at="request_entry",
         server="omlx.server",
         settings_dir=".fmlx",
