@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -320,10 +321,14 @@ def test_several_prefill_hosts_fail_over_and_two_decode_hosts_share_one(model, w
 def test_the_decision_from_measured_rates(model, work, vllm):
     """The default decision (PD_BRIDGE_DECIDE=rates) with real engines: a native prefill gives
     the native rate; the first long prompt is bridged, since the prefill host is not measured
-    yet, and gives its rate; the next long prompt is served natively when that is predicted
-    faster, with both predictions in its reason. A tiny model on this CPU prefills natively far
-    faster than any bridge, so that is what the measured rates say."""
+    yet, and gives its rate; then, with the prefill host busy (requests sent to vLLM directly:
+    its queue read from its /metrics at the decision), the next long prompt is served natively
+    because that is predicted faster, both predictions in its reason."""
     with E.omlx_bridged(model, work, vllm, PD_BRIDGE_DECIDE="rates") as server:
+        # oMLX's first prompts pay one-time costs (kernel compiles): under 256 tokens they warm
+        # it up without being taken as a rate.
+        for seed in (69, 70):
+            E.completion(server, O.prompt_of_tokens(model.omlx_dir, 200, seed=seed)[0], max_tokens=ANSWER_TOKENS)
         short, _ = O.prompt_of_tokens(model.omlx_dir, 900, seed=71)  # under the 1024 floor: native
         _, headers, _ = E.completion(server, short, max_tokens=ANSWER_TOKENS)
         assert headers["x-pd-bridge"].startswith("native;"), headers["x-pd-bridge"]
@@ -331,20 +336,50 @@ def test_the_decision_from_measured_rates(model, work, vllm):
         assert st["decide"] == "rates" and [e["samples"] for e in st["rates"]["native"].values()] == [1], st["rates"]
         first, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=72)
         resp, headers, _ = E.completion(server, first, max_tokens=ANSWER_TOKENS)
-        assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792", headers["x-pd-bridge"]
+        assert headers["x-pd-bridge"] == "complete; blocks=7; tokens=1792", (headers["x-pd-bridge"], st["rates"])
         st = json.loads(E._get(f"{server.base_url}/pd-bridge/v1/status"))
         host = st["rates"]["prefill_hosts"][0]
         assert host["samples"] == 1 and host["bridge_tok_s"] > 0 and host["bytes_per_token"] > 0 and host["queue"] is not None, host
+        native_tok_s = next(iter(st["rates"]["native"].values()))["tok_s"]
+        # Enough requests on vLLM that sharing it makes the bridge slower than oMLX's own prefill.
+        busy = int(host["bridge_tok_s"] / native_tok_s) + 3
+        load = [threading.Thread(target=_occupy_vllm, args=(vllm, model, 400 + i), daemon=True) for i in range(busy)]
+        for t in load:
+            t.start()
+        deadline = time.monotonic() + 120
+        while _vllm_queue(vllm) < busy - 1:
+            assert time.monotonic() < deadline, f"vLLM never had {busy - 1} requests at once"
+            time.sleep(0.05)
         second, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=73)
         resp, headers, _ = E.completion(server, second, max_tokens=ANSWER_TOKENS)
         verdict = headers["x-pd-bridge"]
-        assert re.match(r'native; reason="predicted native [0-9.]+ s < bridged [0-9.]+ s for 1792 uncached tokens"$', verdict), verdict
+        assert re.match(r'native; reason="predicted native [0-9.]+ s < bridged [0-9.]+ s for 1792 uncached tokens"$', verdict), (verdict, st["rates"])
         assert E.cached_tokens(resp) == 0 and answer(resp)
+        for t in load:
+            t.join(300)
         # The doctor prints what the running oMLX measured, and the break-even.
         env = {**os.environ, **E.bridge_env(vllm.url, vllm.segments_port, vllm.api_key)}
         out = subprocess.run([*E._pd_bridge_cli(), "doctor", "--omlx-url", server.base_url], env=env, capture_output=True, text=True, timeout=300)
         assert "measured rates (oMLX at" in out.stdout and "ok    native prefill rate:" in out.stdout, out.stdout
         assert "ok    prefill host 1 bridge rate:" in out.stdout and "ok    prefill host 1 break-even:" in out.stdout, out.stdout
+
+
+def _occupy_vllm(vllm, model, seed: int) -> None:
+    """A long plain request straight to vLLM (no capture), decoding for a while."""
+    ids = O.prompt_of_tokens(model.omlx_dir, 1500, seed=seed)[1]
+    auth = {"Authorization": f"Bearer {vllm.api_key}"} if vllm.api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{vllm.url}/v1/models", headers=auth), timeout=30) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    body = {"model": served, "prompt": ids, "max_tokens": 400, "min_tokens": 400, "temperature": 0.0}
+    req = urllib.request.Request(f"{vllm.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **auth})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+
+
+def _vllm_queue(vllm) -> int:
+    from pd_bridge_omlx.rates import parse_queue
+
+    return parse_queue(E._get(f"{vllm.url}/metrics").decode()) or 0
 
 
 def test_doctor_checks_every_link(model, vllm, bridged):

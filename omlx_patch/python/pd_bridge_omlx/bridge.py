@@ -158,6 +158,8 @@ _POOL_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, kee
 # The health check and model list, each: past this (and the connect timeout) the prompt is served
 # natively whatever the prefill host is doing.
 _PROBE_S = 6.0
+# How long a decision waits for the prefill hosts' queues (vLLM's /metrics).
+_QUEUE_READ_S = 1.0
 # vLLM's answers here are a few hundred bytes (a one-token completion, its model list).
 _MAX_ANSWER_BYTES = 1 << 20
 _TIMEOUT_PHASE = {httpx.ConnectTimeout: "connecting", httpx.ReadTimeout: "waiting for the answer",
@@ -244,12 +246,15 @@ class PrefillHost:
     def check_health(self) -> None:
         self._request("/health", None, timeout=3.0)
 
-    def queue(self) -> int | None:
+    def queue(self, timeout: float = 3.0) -> int | None:
         """Requests running + waiting on the host (vLLM's ``/metrics``); None when it has none."""
         try:
-            return rates_mod.parse_queue(self._fetch("/metrics", None, timeout=3.0).decode("utf-8", "replace"))
+            return rates_mod.parse_queue(self._fetch("/metrics", None, timeout=timeout).decode("utf-8", "replace"))
         except PrefillUnavailable:
             return None
+
+    def queue_quick(self) -> int | None:
+        return self.queue(timeout=_QUEUE_READ_S)
 
     def model(self) -> str:
         if self._model is None:
@@ -294,6 +299,7 @@ class Bridge:
         # admitted bridges never queue here; one spare for the shared fingerprint load.
         self._io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_bridges + 1, thread_name_prefix="pd-bridge-io")
         self._slots = _Slots(max_bridges)
+        self._queue_pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(self.hosts)), thread_name_prefix="pd-bridge-queue")
         self._fingerprints: dict[str, str | Exception] = {}
         self._weights: dict[str, Weights] = {}  # loaded with the fingerprint: carry states need them
         self._fingerprint_loads: dict[str, concurrent.futures.Future] = {}
@@ -470,6 +476,7 @@ class Bridge:
         # Past the floors: bridge where that is predicted faster (rates.py), else natively.
         predicted = None
         if cfg.decide == "rates":
+            await self._read_queues()
             predicted = self.rates.predict(self._model_key(engine_core, scheduler), uncached, self._host_loads())
             why = predicted.native_reason()
             if why is not None:
@@ -483,6 +490,17 @@ class Bridge:
             return await self._admitted(engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached, predicted)
         finally:
             slot.done()
+
+    async def _read_queues(self) -> None:
+        """Each prefill host's queue from its ``/metrics``, read now for this decision (on a
+        pool of its own, so a stalled host never holds the threads native prompts are tokenized
+        on; at most ``_QUEUE_READ_S``: a host that does not answer keeps its last reading, and
+        the bridge's own health probe then judges it)."""
+        reads = [asyncio.wrap_future(self._queue_pool.submit(h.queue_quick)) for h in self.hosts]
+        done, _ = await asyncio.wait(reads, timeout=_QUEUE_READ_S)
+        for i, r in enumerate(reads):
+            if r in done and r.exception() is None:
+                self.rates.observe_queue(i, r.result())
 
     def _model_key(self, engine_core, scheduler) -> str:
         """The directory oMLX loaded the model from: the engine's model_name on every supported
