@@ -477,7 +477,7 @@ class Bridge:
         predicted = None
         if cfg.decide == "rates":
             await self._read_queues()
-            predicted = self.rates.predict(self._model_key(engine_core, scheduler), uncached, self._host_loads())
+            predicted = self.rates.predict(self.model_key(engine_core, scheduler), uncached, self._host_loads())
             why = predicted.native_reason()
             if why is not None:
                 return native(why, request_id), 0, ids
@@ -502,14 +502,14 @@ class Bridge:
             if r in done and r.exception() is None:
                 self.rates.observe_queue(i, r.result())
 
-    def _model_key(self, engine_core, scheduler) -> str:
+    def model_key(self, engine_core, scheduler) -> str:
         """The directory oMLX loaded the model from: the engine's model_name on every supported
         oMLX (upstream's scheduler holds the model id instead); the key of its rates too."""
         return self.cfg.weights_dir or str(getattr(getattr(engine_core, "config", None), "model_name", "") or scheduler.config.model_name)
 
     async def _admitted(self, engine_core, scheduler, pcm, ssd, ids, nblocks, block_size, request_id, slot, t0, cached: int = 0, predicted: rates_mod.Prediction | None = None) -> tuple[Verdict, int, list[int] | None]:
         cfg = self.cfg
-        weights_dir = self._model_key(engine_core, scheduler)
+        weights_dir = self.model_key(engine_core, scheduler)
         try:
             fingerprint = await self._fingerprint(weights_dir, slot)
         except Exception as e:

@@ -13,6 +13,8 @@ objects, without touching its files:
   there are removed (only the writer's own hidden pattern, never one still being written);
 - ``EngineCore.add_request`` first runs the bridge (``bridge.py``): a cold long prompt is
   prefilled on the vLLM host and its blocks registered before oMLX looks for a prefix hit;
+- the engine's output collector tells when a natively prefilled request's first token is out:
+  the decision's native rate (``rates.py``);
 - every generation response carries ``X-PD-Bridge`` with the verdict (``middleware.py``);
 - ``POST /pd-bridge/v1/rescan {"model": ID}`` indexes block files that appeared since the model
   loaded, validated against that model; ``GET /pd-bridge/v1/status`` shows the counters.
@@ -301,11 +303,11 @@ def install_bridge() -> None:
                     if ADMISSIONS.withdraw(request_id):
                         finish(refused(claimed, e))
                     raise
-            # A prompt oMLX prefills itself (wholly, or all but a few tokens) is timed for the
-            # native rate; only prompts of the bridge's own scale say much about it.
+            # A prompt oMLX prefills itself is timed for the native rate (rates.py keeps only
+            # samples of 256 tokens or more: below that, fixed costs dominate).
             timed = verdict.kind in ("native", "declined") and isinstance(bound.arguments.get("prompt"), list) and bridge.cfg is not None
             if timed:
-                NATIVE_PREFILLS.start(request_id, bridge._model_key(self, self.scheduler), len(bound.arguments["prompt"]), bridge.rates.observe_native)
+                NATIVE_PREFILLS.start(request_id, bridge.model_key(self, self.scheduler), len(bound.arguments["prompt"]), bridge.rates.observe_native)
             try:
                 rid = await original(*bound.args, **bound.kwargs)
                 verdict = bridge.confirm(self, rid, verdict)
