@@ -32,8 +32,9 @@ pub struct Ingested {
 #[derive(Default)]
 pub struct IngestControl {
     cancelled: AtomicBool,
-    /// Every lane's stream, so that a cancel (or one lane's failure) stops them all.
-    streams: Mutex<Vec<TcpStream>>,
+    /// Every lane's stream, so that a cancel (or one lane's failure) stops them all; true once
+    /// they were stopped, so that a lane still connecting then is stopped as it attaches.
+    streams: Mutex<(Vec<TcpStream>, bool)>,
 }
 
 impl IngestControl {
@@ -46,7 +47,9 @@ impl IngestControl {
 
     /// Unblock every lane's reads (a lane failed, so the capture cannot be written past it).
     fn shut_streams(&self) {
-        for s in self.streams.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        streams.1 = true;
+        for s in streams.0.iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -57,7 +60,15 @@ impl IngestControl {
 
     fn attach(&self, stream: &TcpStream) -> Result<()> {
         let clone = stream.try_clone().map_err(|e| CoreError::wire(e.to_string()))?;
-        self.streams.lock().unwrap_or_else(|p| p.into_inner()).push(clone);
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if streams.1 {
+            let _ = clone.shutdown(std::net::Shutdown::Both);
+            drop(streams);
+            self.check()?;
+            return Err(CoreError::wire("another lane of this pull failed"));
+        }
+        streams.0.push(clone);
+        drop(streams);
         self.check()
     }
 
