@@ -29,6 +29,7 @@ pub struct Ingested {
 
 /// Lets another thread stop an [`ingest`]: the decode host gives up on a prefill (its HTTP request
 /// failed, the client went away) without waiting for the stream to time out.
+/// One per pull: once stopped, it stays stopped.
 #[derive(Default)]
 pub struct IngestControl {
     cancelled: AtomicBool,

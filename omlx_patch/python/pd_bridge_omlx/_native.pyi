@@ -205,7 +205,7 @@ class LandedBlock:
         else None."""
 
 class IngestControl:
-    """Stops an ``ingest`` running on another thread; blocks already written stay."""
+    """Stops an ``ingest`` running on another thread; blocks already written stay. One per pull."""
 
     def __init__(self) -> None: ...
     def cancel(self) -> None: ...
