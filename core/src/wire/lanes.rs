@@ -108,3 +108,45 @@ impl LaneMerge {
         Ok(seal)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn complete(blocks: u32) -> Seal {
+        Seal::Complete { blocks, tokens: 4 * blocks as u64 }
+    }
+
+    #[test]
+    fn lanes_carry_every_index_once() {
+        for count in 1..=MAX_LANES {
+            let lanes = Lane::all(count).unwrap();
+            for i in 0..100u32 {
+                assert_eq!(lanes.iter().filter(|l| l.carries(i)).count(), 1);
+                for l in &lanes {
+                    let f = l.first_from(i);
+                    assert!(f >= i && f < i + count as u32 && l.carries(f), "lane {l:?} from {i}: {f}");
+                }
+            }
+        }
+        assert!(Lane::new(0, 0).is_err() && Lane::new(2, 2).is_err() && Lane::new(0, MAX_LANES + 1).is_err());
+    }
+
+    #[test]
+    fn the_merge_takes_segments_in_order_and_one_seal() {
+        let mut m = LaneMerge::starting_at(2, 8);
+        m.segment(2, 8, 12).unwrap();
+        assert!(m.segment(4, 16, 20).unwrap_err().to_string().contains("out of order across lanes"));
+        assert!(m.segment(3, 13, 16).is_err(), "a gap in token positions");
+        m.segment(3, 12, 16).unwrap();
+        m.seal(complete(4)).unwrap();
+        m.seal(complete(4)).unwrap();
+        assert!(m.seal(complete(5)).unwrap_err().to_string().contains("seals differ"));
+        assert_eq!(m.finish().unwrap(), complete(4));
+        let mut short = LaneMerge::starting_at(0, 0);
+        short.segment(0, 0, 4).unwrap();
+        short.seal(complete(2)).unwrap();
+        assert!(short.finish().unwrap_err().to_string().contains("seal claims 2 blocks, 1 arrived"));
+        assert!(LaneMerge::starting_at(0, 0).finish().is_err());
+    }
+}
