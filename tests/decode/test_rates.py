@@ -5,6 +5,10 @@ with real engines)."""
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import threading
+
 import pytest
 
 import engines  # noqa: E402  (tests/ is on the path: conftest)
@@ -49,6 +53,11 @@ def test_predictions_and_the_decision():
     assert r.predict("/m/a", 8000).bridged_s[0] == pytest.approx(0.5 + 4.0)
     assert r.predict("/m/a", 8000, in_flight=[5, 0]).bridged_s[0] == pytest.approx(0.5 + 6.0)
     r.observe_queue(0, 0)
+    # Reads answer out of order: only the one started last counts.
+    r.observe_queue(1, 7, read_at=clock.t - 1)
+    r.observe_queue(1, 2, read_at=clock.t - 5)
+    assert r.snapshot()["prefill_hosts"][1]["queue"] == 7 and r.snapshot()["prefill_hosts"][1]["queue_age_s"] == 1.0
+    r.observe_queue(1, 0)
     # Break-even: overhead / (1/native - 1/bridge) = 0.5 / (1/2000 - 1/8000) = 1333.3 tokens.
     assert r.break_even("/m/a", 0) == 1334
     assert r.break_even("/m/a", 1) is None  # host 1 is slower than native at any length
@@ -103,3 +112,56 @@ def test_the_bridge_decides_natively_from_rates_and_says_why():
     st = b.public_status()
     assert st["decide"] == "rates" and st["rates"]["prefill_hosts"][1]["bridge_tok_s"] == 4000.0
     assert "a:1" not in str(st) and "b:2" not in str(st)
+
+
+class _SlowMetrics(http.server.ThreadingHTTPServer):
+    """vLLM's /metrics as a host too busy to answer: each read is held until ``gate`` opens."""
+
+    daemon_threads = True
+
+    def __init__(self, queue: int) -> None:
+        self.gate = threading.Event()
+        self.reads = 0
+        self.lock = threading.Lock()
+        text = f"vllm:num_requests_running{{engine=\"0\"}} {queue}.0\nvllm:num_requests_waiting{{engine=\"0\"}} 0.0\n".encode()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                with server.lock:
+                    server.reads += 1
+                server.gate.wait(30)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, *a):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_a_queue_read_that_answers_late_still_lands_and_reads_never_pile_up():
+    srv = _SlowMetrics(queue=4)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        b = Bridge(config.from_env({"PD_BRIDGE_PREFILL_URL": f"http://127.0.0.1:{srv.server_port}", "PD_BRIDGE_TOKEN": "t"}))
+        # The decision waits its deadline (the host is held past it) and goes on without a reading.
+        asyncio.run(b._read_queues())
+        pending = b._queue_reads()
+        assert len(pending) == 1 and not pending[0].done()
+        assert b.rates.snapshot()["prefill_hosts"][0]["queue"] is None
+        # A status request (or the next decision) meanwhile awaits that read, never a second one.
+        b.refresh_queues()
+        assert b._queue_reads()[0] is pending[0]
+        # The host answers at last: its queue lands for the next decision.
+        srv.gate.set()
+        pending[0].result(30)
+        assert b.rates.snapshot()["prefill_hosts"][0]["queue"] == 4 and srv.reads == 1
+        fresh = b._queue_reads()[0]
+        assert fresh is not pending[0]
+        fresh.result(30)
+        assert srv.reads == 2
+    finally:
+        srv.shutdown()

@@ -341,22 +341,32 @@ def test_the_decision_from_measured_rates(model, work, vllm):
         host = st["rates"]["prefill_hosts"][0]
         assert host["samples"] == 1 and host["bridge_tok_s"] > 0 and host["bytes_per_token"] > 0 and host["queue"] is not None, host
         native_tok_s = next(iter(st["rates"]["native"].values()))["tok_s"]
-        # Enough requests on vLLM that sharing it makes the bridge slower than oMLX's own prefill.
+        # Enough requests on vLLM that sharing it makes the bridge slower than oMLX's own prefill,
+        # held (streaming) until the verdict is in, then dropped (vLLM aborts them).
         busy = int(host["bridge_tok_s"] / native_tok_s) + 3
-        load = [threading.Thread(target=_occupy_vllm, args=(vllm, model, 400 + i), daemon=True) for i in range(busy)]
+        stop = threading.Event()
+        load = [threading.Thread(target=_occupy_vllm, args=(vllm, model, 400 + i, stop), daemon=True) for i in range(busy)]
         for t in load:
             t.start()
-        deadline = time.monotonic() + 120
-        while _vllm_queue(vllm) < busy - 1:
-            assert time.monotonic() < deadline, f"vLLM never had {busy - 1} requests at once"
-            time.sleep(0.05)
-        second, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=73)
-        resp, headers, _ = E.completion(server, second, max_tokens=ANSWER_TOKENS)
+        try:
+            # Until the bridge itself has read them (its status reads the queues a decision would).
+            deadline = time.monotonic() + 300
+            while (queue := json.loads(E._get(f"{server.base_url}/pd-bridge/v1/status"))["rates"]["prefill_hosts"][0]["queue"] or 0) < busy - 1:
+                assert time.monotonic() < deadline and all(t.is_alive() for t in load), f"the bridge never read {busy - 1} requests on vLLM (last read {queue})"
+                time.sleep(0.05)
+            second, _ = O.prompt_of_tokens(model.omlx_dir, LONG, seed=73)
+            resp, headers, _ = E.completion(server, second, max_tokens=ANSWER_TOKENS)
+        finally:
+            stop.set()
         verdict = headers["x-pd-bridge"]
-        assert re.match(r'native; reason="predicted native [0-9.]+ s < bridged [0-9.]+ s for 1792 uncached tokens"$', verdict), (verdict, st["rates"])
+        assert re.match(r'native; reason="predicted native [0-9.]+ s < bridged [0-9.]+ s for 1792 uncached tokens"$', verdict), (verdict, queue, st["rates"])
         assert E.cached_tokens(resp) == 0 and answer(resp)
         for t in load:
             t.join(300)
+        deadline = time.monotonic() + 120
+        while _vllm_queue(vllm):  # dropped requests are aborted, not left running for later tests
+            assert time.monotonic() < deadline, "vLLM kept running the dropped requests"
+            time.sleep(0.2)
         # The doctor prints what the running oMLX measured, and the break-even.
         env = {**os.environ, **E.bridge_env(vllm.url, vllm.segments_port, vllm.api_key)}
         out = subprocess.run([*E._pd_bridge_cli(), "doctor", "--omlx-url", server.base_url], env=env, capture_output=True, text=True, timeout=300)
@@ -364,16 +374,18 @@ def test_the_decision_from_measured_rates(model, work, vllm):
         assert "ok    prefill host 1 bridge rate:" in out.stdout and "ok    prefill host 1 break-even:" in out.stdout, out.stdout
 
 
-def _occupy_vllm(vllm, model, seed: int) -> None:
-    """A long plain request straight to vLLM (no capture), decoding for a while."""
+def _occupy_vllm(vllm, model, seed: int, stop: threading.Event) -> None:
+    """A long plain request straight to vLLM (no capture), streaming its answer until ``stop``;
+    then the connection is dropped, and vLLM aborts the request."""
     ids = O.prompt_of_tokens(model.omlx_dir, 1500, seed=seed)[1]
     auth = {"Authorization": f"Bearer {vllm.api_key}"} if vllm.api_key else {}
     with urllib.request.urlopen(urllib.request.Request(f"{vllm.url}/v1/models", headers=auth), timeout=30) as r:
         served = json.loads(r.read())["data"][0]["id"]
-    body = {"model": served, "prompt": ids, "max_tokens": 400, "min_tokens": 400, "temperature": 0.0}
+    body = {"model": served, "prompt": ids, "max_tokens": 20000, "min_tokens": 20000, "temperature": 0.0, "stream": True}
     req = urllib.request.Request(f"{vllm.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
+        while not stop.is_set() and r.readline():
+            pass
 
 
 def _vllm_queue(vllm) -> int:

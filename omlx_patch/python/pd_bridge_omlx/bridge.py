@@ -158,8 +158,10 @@ _POOL_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, kee
 # The health check and model list, each: past this (and the connect timeout) the prompt is served
 # natively whatever the prefill host is doing.
 _PROBE_S = 6.0
-# How long a decision waits for the prefill hosts' queues (vLLM's /metrics).
-_QUEUE_READ_S = 1.0
+# How long a decision waits for the prefill hosts' queues (vLLM's /metrics), and how long one
+# read may take: a busy vLLM answers its metrics late, and a late answer still counts next time.
+_QUEUE_WAIT_S = 1.0
+_QUEUE_READ_S = 10.0
 # vLLM's answers here are a few hundred bytes (a one-token completion, its model list).
 _MAX_ANSWER_BYTES = 1 << 20
 _TIMEOUT_PHASE = {httpx.ConnectTimeout: "connecting", httpx.ReadTimeout: "waiting for the answer",
@@ -253,9 +255,6 @@ class PrefillHost:
         except PrefillUnavailable:
             return None
 
-    def queue_quick(self) -> int | None:
-        return self.queue(timeout=_QUEUE_READ_S)
-
     def model(self) -> str:
         if self._model is None:
             models = self._request("/v1/models", None, timeout=5.0).get("data") or []
@@ -300,6 +299,8 @@ class Bridge:
         self._io_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_bridges + 1, thread_name_prefix="pd-bridge-io")
         self._slots = _Slots(max_bridges)
         self._queue_pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(self.hosts)), thread_name_prefix="pd-bridge-queue")
+        self._queue_pending: list[concurrent.futures.Future | None] = [None] * len(self.hosts)
+        self._queue_lock = threading.Lock()
         self._fingerprints: dict[str, str | Exception] = {}
         self._weights: dict[str, Weights] = {}  # loaded with the fingerprint: carry states need them
         self._fingerprint_loads: dict[str, concurrent.futures.Future] = {}
@@ -491,16 +492,33 @@ class Bridge:
         finally:
             slot.done()
 
+    def _queue_reads(self) -> list[concurrent.futures.Future]:
+        """A read of each prefill host's queue (vLLM's ``/metrics``) on a pool of its own (so a
+        stalled host never holds the threads native prompts are tokenized on), each landing in
+        the rates when it answers, however late: a host too busy to answer in time still moves
+        the next decision. A host whose last read is still pending is not read again (its
+        answer is the one awaited), so a stalled host never piles reads up."""
+
+        def read(i: int, host: PrefillHost, at: float) -> None:
+            self.rates.observe_queue(i, host.queue(timeout=_QUEUE_READ_S), read_at=at)
+
+        with self._queue_lock:
+            for i, h in enumerate(self.hosts):
+                if self._queue_pending[i] is None or self._queue_pending[i].done():
+                    self._queue_pending[i] = self._queue_pool.submit(read, i, h, self.rates.now())
+            return [f for f in self._queue_pending if f is not None]
+
     async def _read_queues(self) -> None:
-        """Each prefill host's queue from its ``/metrics``, read now for this decision (on a
-        pool of its own, so a stalled host never holds the threads native prompts are tokenized
-        on; at most ``_QUEUE_READ_S``: a host that does not answer keeps its last reading, and
-        the bridge's own health probe then judges it)."""
-        reads = [asyncio.wrap_future(self._queue_pool.submit(h.queue_quick)) for h in self.hosts]
-        done, _ = await asyncio.wait(reads, timeout=_QUEUE_READ_S)
-        for i, r in enumerate(reads):
-            if r in done and r.exception() is None:
-                self.rates.observe_queue(i, r.result())
+        """Each prefill host's queue, read now for this decision: it waits at most
+        ``_QUEUE_WAIT_S``; a host that has not answered by then counts with its newest reading
+        (and the bridge's own health probe then judges it)."""
+        await asyncio.wait([asyncio.wrap_future(f) for f in self._queue_reads()], timeout=_QUEUE_WAIT_S)
+
+    def refresh_queues(self) -> None:
+        """The same reads for ``GET /pd-bridge/v1/status`` (a thread of the server's pool), so
+        that it shows the queues a decision made now would read."""
+        if self.cfg is not None and self.cfg.decide == "rates":
+            concurrent.futures.wait(self._queue_reads(), timeout=_QUEUE_WAIT_S)
 
     def model_key(self, engine_core, scheduler) -> str:
         """The directory oMLX loaded the model from: the engine's model_name on every supported
@@ -530,7 +548,8 @@ class Bridge:
                     await asyncio.wait_for(self._io(slot, host.model), probe)
                     if cfg.decide == "rates":
                         # The host's queue, for the next decision (this one is made).
-                        self.rates.observe_queue(i, await asyncio.wait_for(self._io(slot, host.queue), probe))
+                        read_at = self.rates.now()
+                        self.rates.observe_queue(i, await asyncio.wait_for(self._io(slot, host.queue), probe), read_at=read_at)
                 except (PrefillUnavailable, asyncio.TimeoutError) as e:
                     why = f"{name} unhealthy: " + (str(e) if isinstance(e, PrefillUnavailable) else f"its health check and model list did not answer within {probe:g}s")
                     if last:

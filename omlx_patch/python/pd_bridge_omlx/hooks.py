@@ -376,8 +376,10 @@ def install_routes() -> None:
             from .bridge import get_bridge
             from .counters import COUNTERS
 
+            bridge = get_bridge()
+            bridge.refresh_queues()  # the queues a decision made now would read
             # What a user of the port may know: no token, no prefill-host address (describe() is for the log).
-            return {**get_bridge().public_status(), "counters": COUNTERS.snapshot()}
+            return {**bridge.public_status(), "counters": COUNTERS.snapshot()}
 
         from .middleware import VerdictMiddleware
 

@@ -7,7 +7,8 @@ bridged tokens over the time from the prefill request to the last block register
 covers vLLM's prefill, the stream and the block writes, pipelined), the fixed cost of a bridge
 before it starts (health probe, model lookup), the stream's bytes per second, and the host's
 queue (``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` from its ``/metrics``, read
-with each health probe).
+at each decision, with each health probe and for each status request; a read that answers late
+still lands, unless a read started after it has landed first).
 
 Prediction for ``n`` uncached tokens:
 
@@ -60,8 +61,10 @@ class HostRates:
     overhead_s: Ewma
     stream_bytes_s: Ewma
     bytes_per_token: Ewma
-    #: Requests running + waiting on the host at its last health probe (None: never read).
+    #: Requests running + waiting on the host at its newest read (None: never read).
     queue: int | None = None
+    #: When that read started (the clock of ``Rates``): an older read never overwrites it.
+    queue_at: float = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,19 @@ class Rates:
                 h.stream_bytes_s.observe(nbytes / seconds, now)
                 h.bytes_per_token.observe(nbytes / tokens, now)
 
-    def observe_queue(self, host: int, queue: int | None) -> None:
-        if queue is not None and queue >= 0:
-            with self._lock:
-                self._hosts[host].queue = queue
+    def now(self) -> float:
+        return self._clock()
+
+    def observe_queue(self, host: int, queue: int | None, read_at: float | None = None) -> None:
+        """The host's queue from a read of its metrics started at ``read_at`` (default now):
+        reads answer out of order, and only the one started last counts."""
+        if queue is None or queue < 0:
+            return
+        at = self._clock() if read_at is None else read_at
+        with self._lock:
+            h = self._hosts[host]
+            if at >= h.queue_at:
+                h.queue, h.queue_at = queue, at
 
     def predict(self, model: str, tokens: int, in_flight: list[int] | None = None) -> Prediction:
         """Predictions for ``tokens`` uncached tokens; ``in_flight`` (this decode host's bridges
@@ -187,6 +199,7 @@ class Rates:
                     "stream_mb_s": r(None if h.stream_bytes_s.value is None else h.stream_bytes_s.value / 1e6),
                     "bytes_per_token": r(h.bytes_per_token.value, 0),
                     "queue": h.queue,
+                    "queue_age_s": r(now - h.queue_at) if h.queue is not None else None,
                     "samples": h.bridge_tok_s.samples,
                     "age_s": r(now - h.bridge_tok_s.at) if h.bridge_tok_s.samples else None,
                 }
