@@ -33,7 +33,7 @@ fn main() {
         arrays.push((0..block * 64).map(|_| value()).collect::<Vec<_>>());
         hl.push(LayerHeader { kind: LayerKind::Kv, arrays: vec![ArrayShape { rows: block as u32, width: 512 }, ArrayShape { rows: block as u32, width: 64 }] });
     }
-    let header = SegmentHeader { request_id: "bench".into(), fingerprint: "sha256:0".into(), omlx_format: OmlxFormat::Fork070.name().into(), index: 0, start: 0, end: block as u64, layers: hl };
+    let header = SegmentHeader { request_id: "bench".into(), fingerprint: "sha256:0".into(), omlx_format: OmlxFormat::Fork070.name().into(), index: 0, start: 0, end: block as u64, first_layer: 0, layers: hl };
     let seg = Segment { header, arrays: arrays.into() };
     let bytes: usize = seg.arrays.iter().map(|a| a.len() * 2).sum();
     let tokens: Vec<u32> = (0..block as u32 + 1).collect();

@@ -80,6 +80,8 @@ pub struct Capture {
     device: DevicePath,
     /// The carry state a resumed capture started from: the device backend starts there too.
     carry: Option<crate::pooler::carry::CarryState>,
+    /// The model layers this capture is fed: all, or a pipeline stage's ([`crate::stages`]).
+    stage: std::ops::Range<usize>,
 }
 
 impl Capture {
@@ -94,6 +96,7 @@ impl Capture {
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
         let segments = SegmentPlan::new(family::geometry(&weights.plan, format, block_size), request_id, &weights.fingerprint);
+        let stage = segments.stage();
         Ok(Capture {
             format,
             request_id: request_id.into(),
@@ -108,7 +111,27 @@ impl Capture {
             options: CaptureOptions::default(),
             device: DevicePath::Undecided,
             carry: None,
+            stage,
         })
+    }
+
+    /// This capture for one pipeline stage, which runs only the model layers `layers`: it is
+    /// fed those, and its segments carry those ([`crate::stages`]; the decode host joins the
+    /// stages' segments into whole blocks). Set before the first feed. A stage's CUDA rows are
+    /// pooled on the CPU path (the GPU backend plans whole blocks).
+    pub fn for_stage(mut self, layers: std::ops::Range<usize>) -> Result<Self> {
+        let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(self.builder.origin()));
+        if fed || !self.assembling.is_empty() || !self.ready.is_empty() || !matches!(self.device, DevicePath::Undecided) {
+            return Err(CoreError::config("layers", "a capture's pipeline stage is set before its first feed"));
+        }
+        self.segments = self.segments.for_stage(layers.clone())?;
+        self.stage = layers;
+        Ok(self)
+    }
+
+    /// The model layers this capture is fed.
+    pub fn stage(&self) -> std::ops::Range<usize> {
+        self.stage.clone()
     }
 
     /// This capture with the GPU path's `options` (the defaults otherwise; the CPU path reads
@@ -190,6 +213,7 @@ impl Capture {
         if self.sealed.is_some() {
             return Err(CoreError::input(layer, format!("capture {} is already sealed", self.request_id)));
         }
+        self.check_stage(layer)?;
         let hidden = self.builder.hidden_size();
         if x.is_empty() || x.len() % hidden != 0 {
             return Err(CoreError::input(layer, format!("{} values is not a positive whole number of rows of width {hidden}", x.len())));
@@ -235,12 +259,14 @@ impl Capture {
         if self.sealed.is_some() {
             return Err(CoreError::input(layer, format!("capture {} is already sealed", self.request_id)));
         }
+        self.check_stage(layer)?;
         if matches!(self.device, DevicePath::Undecided) {
             let origin = self.builder.origin();
             let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(origin));
             // The backend (and its resume, for a resumed capture) decides which formats, block
             // sizes and resume points the GPU handles.
-            let backend = if fed || !self.options.gpu {
+            let whole = self.stage == (0..self.builder.num_layers());
+            let backend = if fed || !self.options.gpu || !whole {
                 None
             } else {
                 crate::device::open(DeviceRequest {
@@ -271,6 +297,15 @@ impl Capture {
                 self.feed(layer, start, &x)
             }
         }
+    }
+
+    /// A layer of another pipeline stage is refused, naming this stage's layers.
+    fn check_stage(&self, layer: usize) -> Result<()> {
+        let n = self.builder.num_layers();
+        if !self.stage.contains(&layer) && self.stage != (0..n) {
+            return Err(CoreError::input(layer, format!("this capture is the pipeline stage of layers {}..{} (of {n})", self.stage.start, self.stage.end)));
+        }
+        Ok(())
     }
 
     /// Take in the device blocks that finished (all of them if `wait`).
@@ -311,18 +346,20 @@ impl Capture {
     /// Copy `layer`'s part of block `block`'s segment from its state (the state has just reached
     /// the block's end) into the block's body, and drop what the state no longer needs.
     fn take_part(&mut self, layer: usize, block: usize) -> Result<()> {
-        let n = self.builder.num_layers();
+        let n = self.stage.len();
+        // The block plan holds this stage's layers only, its first at 0.
+        let local = layer - self.stage.start;
         let segments = &self.segments;
         let open = self.assembling.entry(block).or_insert_with(|| {
             let plan = segments.block(block);
             OpenBlock { body: vec![bf16::ZERO; plan.values], plan, have: vec![false; n], missing: n }
         });
-        if open.have[layer] {
+        if open.have[local] {
             return Err(CoreError::input(layer, format!("block {block} of this layer was already taken")));
         }
         let state = self.builder.layer_mut(layer).ok_or_else(|| CoreError::input(layer, "no such layer"))?;
-        state.take_part(&open.plan, layer, &mut open.body)?;
-        open.have[layer] = true;
+        state.take_part(&open.plan, local, &mut open.body)?;
+        open.have[local] = true;
         open.missing -= 1;
         self.promote()
     }

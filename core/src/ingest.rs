@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::block::{BlockWriter, Landed};
 use crate::error::{CoreError, Result};
 use crate::segment::Segment;
+use crate::stages;
 use crate::wire::secure::{self, SecureChannel};
 use crate::wire::{CaptureKey, CaptureSecret, Event, FrameLimits, Lane, LaneMerge, PromptDigest, Seal, SegmentReader};
 
@@ -103,6 +104,10 @@ pub struct Pull<'a> {
     /// Streams to pull the capture over (1 to [`crate::wire::MAX_LANES`]): more lanes seal and
     /// open its records on more cores at both ends, for links faster than one core encrypts.
     pub lanes: u8,
+    /// The prefill host's pipeline stages (1 to [`crate::stages::MAX_STAGES`]): stage `s`
+    /// serves its layers' part of each block on the segment port + `s`, over one stream each,
+    /// and the parts are joined into whole blocks ([`crate::stages`]).
+    pub stages: u8,
 }
 
 /// The first of `addrs` that accepts a connection within `timeout`, or an error naming each
@@ -144,8 +149,11 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
         // A writer resumed at a block boundary expects the stream from there (else block 0).
         let first = writer.next_block();
         let start = (first * writer.block_size()) as u64;
+        if pull.stages > 1 {
+            return pull_stages(pull, &key, control, first as u32, start, &mut write);
+        }
         if pull.lanes <= 1 {
-            let mut reader = open_lane(pull, &key, control, Lane::SINGLE)?.starting_at(first as u32, start);
+            let mut reader = open_lane(pull, &pull.addrs, &key, control, Lane::SINGLE)?.starting_at(first as u32, start);
             loop {
                 match reader.next_event().map_err(|e| cancelled(control, e))? {
                     Event::Segment(seg) => write(&seg)?,
@@ -164,7 +172,7 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
                     let (key, failure) = (&key, &failure);
                     scope.spawn(move || {
                         let run = || -> Result<()> {
-                            let mut reader = open_lane(pull, key, control, lane)?.starting_at(first as u32, start);
+                            let mut reader = open_lane(pull, &pull.addrs, key, control, lane)?.starting_at(first as u32, start);
                             loop {
                                 let event = reader.next_event()?;
                                 let sealed = matches!(event, Event::Seal(_));
@@ -205,15 +213,92 @@ fn cancelled(control: &IngestControl, e: CoreError) -> CoreError {
     }
 }
 
-/// Connect, handshake and a reader for one lane of the pull.
-fn open_lane(pull: &Pull<'_>, key: &CaptureKey, control: &IngestControl, lane: Lane) -> Result<SegmentReader<SecureChannel<Idle>>> {
-    let stream = connect_any(&pull.addrs, pull.timeout)?;
+/// Connect (to `addrs`: the pull's, or a pipeline stage's), handshake and a reader for one lane
+/// of the pull.
+fn open_lane(pull: &Pull<'_>, addrs: &[SocketAddr], key: &CaptureKey, control: &IngestControl, lane: Lane) -> Result<SegmentReader<SecureChannel<Idle>>> {
+    let stream = connect_any(addrs, pull.timeout)?;
     control.attach(&stream)?;
     let _ = stream.set_nodelay(true);
     stream.set_read_timeout(Some(pull.timeout)).and_then(|_| stream.set_write_timeout(Some(pull.timeout))).map_err(|e| CoreError::wire(e.to_string()))?;
     let idle = Idle { stream, deadline: pull.timeout };
     let channel = secure::connect_lane(idle, key, pull.request_id, lane).map_err(|e| cancelled(control, e))?;
     Ok(SegmentReader::with_limits(channel, pull.request_id, pull.fingerprint, pull.limits).on_lane(lane))
+}
+
+/// Pull every pipeline stage (each over one stream, on a thread of its own) and write each block
+/// once every stage's part of it has arrived, joined; the capture ends where the first stage that
+/// did not complete ended ([`stages::end`]), and the other stages' streams are shut then.
+fn pull_stages(pull: &Pull<'_>, key: &CaptureKey, control: &IngestControl, first: u32, start: u64, write: &mut impl FnMut(&Segment) -> Result<()>) -> Result<Seal> {
+    if pull.stages > stages::MAX_STAGES {
+        return Err(CoreError::wire(format!("{} pipeline stages: at most {} are pulled", pull.stages, stages::MAX_STAGES)));
+    }
+    let count = pull.stages as usize;
+    let stage_addrs = (0..count)
+        .map(|s| {
+            pull.addrs
+                .iter()
+                .map(|a| a.port().checked_add(s as u16).map(|p| SocketAddr::new(a.ip(), p)).ok_or_else(|| CoreError::wire(format!("pipeline stage {} of {count}: segment port {} + {s} is past 65535", s + 1, a.port()))))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let failure: Mutex<Option<CoreError>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        let receivers: Vec<Receiver<Result<Event>>> = stage_addrs
+            .iter()
+            .enumerate()
+            .map(|(s, addrs)| {
+                let (tx, rx) = sync_channel::<Result<Event>>(1);
+                let failure = &failure;
+                scope.spawn(move || {
+                    let run = || -> Result<()> {
+                        let mut reader = open_lane(pull, addrs, key, control, Lane::SINGLE)?.starting_at(first, start);
+                        loop {
+                            let event = reader.next_event()?;
+                            let sealed = matches!(event, Event::Seal(_));
+                            if tx.send(Ok(event)).is_err() || sealed {
+                                return Ok(());
+                            }
+                        }
+                    };
+                    if let Err(e) = run() {
+                        let e = CoreError::wire(format!("pipeline stage {} of {count}: {}", s + 1, cancelled(control, e)));
+                        failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(CoreError::wire(e.to_string()));
+                        control.shut_streams();
+                        let _ = tx.send(Err(e));
+                    }
+                });
+                rx
+            })
+            .collect();
+        let result = (|| -> Result<Seal> {
+            let mut next = first;
+            loop {
+                let mut said = Vec::with_capacity(count);
+                for (s, rx) in receivers.iter().enumerate() {
+                    let event = rx.recv().unwrap_or_else(|_| Err(CoreError::wire(format!("pipeline stage {} of {count} ended without a seal", s + 1))))?;
+                    said.push(match event {
+                        Event::Segment(seg) => stages::Said::Part(seg),
+                        Event::Seal(seal) => stages::Said::Seal(seal),
+                    });
+                    // A stage that did not complete ends the capture at once: the others' parts
+                    // of this block cannot make it whole.
+                    if let Some(seal) = stages::end(&said, count, next)? {
+                        return Ok(seal);
+                    }
+                }
+                let parts = said.into_iter().map(|x| match x {
+                    stages::Said::Part(seg) => seg,
+                    stages::Said::Seal(_) => unreachable!("end() returned a seal"),
+                });
+                write(&stages::join(parts.collect())?)?;
+                next += 1;
+            }
+        })()
+        .map_err(|e| failure.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or(e));
+        // The capture has ended (or failed): the other stages' streams are not read again.
+        control.shut_streams();
+        result
+    })
 }
 
 /// Take segment `i` from lane `i % lanes` until every lane has sealed, writing each in order.

@@ -29,6 +29,7 @@ pub mod plan;
 pub mod pooler;
 pub mod segment;
 pub mod segment_server;
+pub mod stages;
 pub(crate) mod sync;
 pub mod view;
 pub mod weights;

@@ -447,6 +447,7 @@ fn resumed_capture_over_tcp(lanes: u8) {
         limits: FrameLimits::for_plan(&w.plan, UP, block),
         timeout: std::time::Duration::from_secs(20),
         lanes,
+        stages: 1,
     };
     let mut got = Vec::new();
     let done = ingest(&pull, &writer, &IngestControl::default(), |b| got.push(b.index));

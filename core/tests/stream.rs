@@ -41,6 +41,7 @@ fn pull_lanes(lanes: u8, server: &SegmentServer, token: &[u8], id: &str, w: &Dec
         limits: FrameLimits::for_plan(&w.plan, writer.format(), BLOCK),
         timeout,
         lanes,
+        stages: 1,
     };
     ingest(&p, writer, control, on_block)
 }

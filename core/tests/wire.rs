@@ -125,7 +125,7 @@ fn a_queued_and_slow_capture_outlasts_the_decode_hosts_idle_deadline() {
     };
     let dir = common::temp_dir("wire-queued");
     let writer = BlockWriter::new(&dir, "/m", 8, &tokens).unwrap();
-    let p = Pull { addrs: vec![srv.local_addr()], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: gap / 2, lanes: 1 };
+    let p = Pull { addrs: vec![srv.local_addr()], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: gap / 2, lanes: 1, stages: 1 };
     let got = ingest(&p, &writer, &IngestControl::default(), |_| {});
     late.join().unwrap();
     assert_eq!(got.outcome.unwrap(), Seal::Complete { blocks: 2, tokens: 16 });
@@ -178,7 +178,7 @@ fn ingest_from(addr: SocketAddr, dir: &std::path::Path) -> pd_bridge_core::inges
     let tokens: Vec<u32> = (0..16).collect();
     let writer = BlockWriter::new(dir, "/m", 8, &tokens).unwrap();
     let s = secret(0x11);
-    let p = Pull { addrs: vec![addr], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: Duration::from_secs(5), lanes: 1 };
+    let p = Pull { addrs: vec![addr], token: TOKEN, secret: &s, request_id: "req", fingerprint: FP, prompt: PromptDigest::of(&tokens), limits: FrameLimits::default(), timeout: Duration::from_secs(5), lanes: 1, stages: 1 };
     ingest(&p, &writer, &IngestControl::default(), |_| {})
 }
 

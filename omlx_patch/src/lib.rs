@@ -395,11 +395,14 @@ fn capture_secret() -> PyResult<String> {
 /// sent to vLLM): a prefill host that cannot is refused before a byte of cache is accepted.
 /// Frames are capped by what one block of the writer's plan can hold. `lanes` > 1 pulls the
 /// capture over that many streams at once (sealed and opened on as many cores at each end, for
-/// links faster than one core encrypts; blocks are still written in chain order). Returns
+/// links faster than one core encrypts; blocks are still written in chain order). `stages` > 1
+/// pulls a prefill host that runs vLLM's pipeline parallelism: stage `s` serves its layers' part
+/// of each block on `port + s`, and a block is written once every stage's part of it arrived,
+/// joined (a stage that fails ends the capture there, naming the stage). Returns
 /// `(blocks_written, verdict_json)`; a broken stream raises `PdBridgeError(message, blocks)`
 /// (`AuthError` for a failed handshake) with the count written before it (each whole and valid).
 #[pyfunction]
-#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None, control=None, *, secret, token_ids, lanes=1))]
+#[pyo3(signature = (host, port, token, request_id, fingerprint, writer, timeout_seconds=60.0, on_block=None, control=None, *, secret, token_ids, lanes=1, stages=1))]
 #[allow(clippy::too_many_arguments)]
 fn ingest(
     py: Python<'_>,
@@ -415,6 +418,7 @@ fn ingest(
     secret: &str,
     token_ids: Vec<u32>,
     lanes: u8,
+    stages: u8,
 ) -> PyResult<(usize, String)> {
     guard(|| {
         use std::net::ToSocketAddrs;
@@ -424,6 +428,9 @@ fn ingest(
         }
         let timeout = std::time::Duration::try_from_secs_f64(timeout_seconds).map_err(|e| ConfigError::new_err(format!("timeout_seconds: {e}")))?;
         pd_bridge_core::wire::Lane::new(0, lanes).map_err(to_py)?;
+        if !(1..=pd_bridge_core::stages::MAX_STAGES).contains(&stages) {
+            return Err(ConfigError::new_err(format!("stages={stages}: a capture is pulled from 1 to {} pipeline stages", pd_bridge_core::stages::MAX_STAGES)));
+        }
         let own = pd_bridge_core::ingest::IngestControl::default();
         let control_ref = control.as_ref().map(|c| &c.get().inner).unwrap_or(&own);
         // The core's events during the stream carry the request id (logging::request_span).
@@ -441,6 +448,7 @@ fn ingest(
             limits,
             timeout,
             lanes,
+            stages,
         };
         let got = py.detach(|| span.in_scope(|| {
             pd_bridge_core::ingest::ingest(&pull, w, control_ref, |landed| {

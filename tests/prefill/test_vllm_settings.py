@@ -17,40 +17,38 @@ vllm = engines.require("vllm")
 def test_prefix_caching_is_accepted_and_captured_hits_are_capped():
     """Issue 13: vLLM's prefix cache may stay on; the cap on a captured request's hit installs on
     this vLLM's KVCacheManager (tests/e2e/test_multiturn.py shows the capped hit end to end)."""
-    from types import SimpleNamespace
-
-    from vllm.config import CacheConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from pd_bridge_vllm.connector import check_engine_settings, prefix_cap
+    from pd_bridge_vllm.connector import prefix_cap
 
-    check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=True)))
-    check_engine_settings(SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=False)))
     assert prefix_cap.install()
     assert getattr(KVCacheManager.get_computed_blocks, "_pd_bridge_capped", False)
 
 
-def test_pipeline_parallelism_is_refused_and_each_data_parallel_rank_finds_its_rank():
-    """Pipeline stages see only their own layers: refused at start naming the setting, on vLLM's
-    own ParallelConfig. Data parallelism runs; each rank (its port is the base + rank) reads its
-    rank from data_parallel_index, which a dense model's independent engines keep while their
+def test_each_pipeline_stage_and_data_parallel_rank_finds_its_layers_and_port():
+    """Pipeline stages each capture vLLM's partition of the layers, on a port of their own (base +
+    rank x stages + stage), on vLLM's own ParallelConfig. Each data-parallel rank reads its rank
+    from data_parallel_index, which a dense model's independent engines keep while their
     data_parallel_rank reads 0."""
     from types import SimpleNamespace
 
-    from vllm.config import CacheConfig, ParallelConfig
+    from vllm.config import ParallelConfig
 
-    from pd_bridge_vllm.connector import check_engine_settings
-    from pd_bridge_vllm.connector.metadata import data_parallel_rank
+    from pd_bridge_vllm.connector.metadata import data_parallel_rank, pipeline_stage, segment_port, stage_layers
 
-    cache = CacheConfig(enable_prefix_caching=True)
-    check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=2)))
     pc = ParallelConfig()
     pc.pipeline_parallel_size = 2
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
-        check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
+    # Outside vLLM's process groups (the scheduler process) the config says how many stages.
+    assert pipeline_stage(SimpleNamespace(parallel_config=pc)) == (0, 2)
+    # Each stage runs vLLM's own partition of the layers; every layer is on exactly one stage.
+    for n, stages in ((3, 2), (43, 2), (61, 4), (3, 1)):
+        ranges = [stage_layers(n, s, stages) for s in range(stages)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+    # Every data-parallel rank and stage of one host has its own segment port.
+    ports = {segment_port(7188, r, s, 2) for r in range(3) for s in range(2)}
+    assert ports == set(range(7188, 7194))
     pc = ParallelConfig()
     pc.data_parallel_size = 2
-    check_engine_settings(SimpleNamespace(cache_config=cache, parallel_config=pc))
     assert data_parallel_rank(SimpleNamespace(parallel_config=pc)) == 0
     pc.data_parallel_index = 1
     assert data_parallel_rank(SimpleNamespace(parallel_config=pc)) == 1

@@ -180,10 +180,14 @@ impl Capture {
     /// it. `fingerprint`: the weights fingerprint the decode host asked for (`pd_capture.fingerprint`;
     /// default these weights'), bound into the same key. Without a secret the capture computes
     /// but nothing can pull its segments (digests only).
+    ///
+    /// `layers=(start, end)`: this process is one stage of vLLM's pipeline parallelism and runs
+    /// only those model layers; the capture is fed those, and its segments carry those (the
+    /// decode host joins the stages' parts into whole blocks).
     #[new]
-    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None, secret=None, prompt_digest=None, fingerprint=None))]
+    #[pyo3(signature = (weights, request_id, prompt_tokens, block_size, server, omlx_format=None, secret=None, prompt_digest=None, fingerprint=None, layers=None))]
     #[allow(clippy::too_many_arguments)]
-    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>, secret: Option<&str>, prompt_digest: Option<&str>, fingerprint: Option<&str>) -> PyResult<Self> {
+    fn new(weights: &Weights, request_id: &str, prompt_tokens: usize, block_size: usize, server: &SegmentServer, omlx_format: Option<&str>, secret: Option<&str>, prompt_digest: Option<&str>, fingerprint: Option<&str>, layers: Option<(usize, usize)>) -> PyResult<Self> {
         guard(|| {
             let format = omlx_format.map_or(Ok(pd_bridge_core::OmlxFormat::Fork070), pd_bridge_core::OmlxFormat::from_name).map_err(to_py)?;
             let keyed = secret.is_some();
@@ -199,7 +203,10 @@ impl Capture {
                 _ => return Err(ConfigError::new_err("a capture's secret and prompt_digest come together")),
             };
             // The GPU path's settings, read once here at the boundary (PD_BRIDGE_GPU*).
-            let inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?.with_options(capture_options_from_env());
+            let mut inner = CoreCapture::with_format(format, weights.inner.clone(), request_id, prompt_tokens, block_size).map_err(to_py)?.with_options(capture_options_from_env());
+            if let Some((start, end)) = layers {
+                inner = inner.for_stage(start..end).map_err(to_py)?;
+            }
             Ok(Capture { inner, outbox, digest: (!keyed).then(Sha256::new), segments: 0, bytes: 0 })
         })
     }

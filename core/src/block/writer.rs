@@ -248,6 +248,17 @@ impl BlockWriter {
                 format!("segment {} was computed for oMLX block format {:?}, this decode host writes {:?}", seg.header.index, seg.header.omlx_format, self.format.name()),
             ));
         }
+        if seg.header.first_layer != 0 {
+            return Err(CoreError::segment(
+                block,
+                None,
+                None,
+                format!(
+                    "segment {} holds the model's layers from {} on: one pipeline stage's part of a block, not a whole block (the prefill host runs pipeline parallelism: set PD_BRIDGE_PREFILL_PP on the decode host)",
+                    seg.header.index, seg.header.first_layer
+                ),
+            ));
+        }
         if block as usize >= self.chain.len() {
             return Err(CoreError::segment(block, None, None, format!("not a full block of this prompt ({} blocks)", self.chain.len())));
         }

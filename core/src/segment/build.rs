@@ -13,6 +13,7 @@
 //! A plan depends on the decoder (plan, format, block size) only, never on how the block files are
 //! laid out (that is the decode host's business, `block::layout`).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
@@ -107,12 +108,31 @@ pub struct SegmentPlan {
     geometry: Geometry,
     request_id: String,
     fingerprint: String,
+    /// The model layers the segments carry: all of them, or a pipeline stage's.
+    stage: Range<usize>,
 }
 
 impl SegmentPlan {
     /// Segments of blocks of `geometry` (the decoder's layers, its oMLX format and block size).
     pub fn new(geometry: Geometry, request_id: &str, fingerprint: &str) -> Self {
-        SegmentPlan { geometry, request_id: request_id.into(), fingerprint: fingerprint.into() }
+        let stage = 0..geometry.layers.len();
+        SegmentPlan { geometry, request_id: request_id.into(), fingerprint: fingerprint.into(), stage }
+    }
+
+    /// Segments that carry only the model layers `layers` (a pipeline stage's; [`crate::stages`]):
+    /// a [`BlockPlan`]'s layers are then those, `layers.start` first.
+    pub fn for_stage(mut self, layers: Range<usize>) -> Result<Self> {
+        let n = self.geometry.layers.len();
+        if layers.start >= layers.end || layers.end > n {
+            return Err(CoreError::config("layers", format!("pipeline stage layers {}..{} are not a non-empty range of the model's {n} layers", layers.start, layers.end)));
+        }
+        self.stage = layers;
+        Ok(self)
+    }
+
+    /// The model layers the segments carry.
+    pub fn stage(&self) -> Range<usize> {
+        self.stage.clone()
     }
 
     pub fn block_size(&self) -> usize {
@@ -154,8 +174,8 @@ impl SegmentPlan {
             arrays.push(PlannedArray { source, shape: ArrayShape { rows: rows as u32, width: width as u32 }, offset: at });
             at += rows * width;
         };
-        let mut layers = Vec::with_capacity(g.layers.len());
-        for l in &g.layers {
+        let mut layers = Vec::with_capacity(self.stage.len());
+        for l in &g.layers[self.stage.clone()] {
             let mut arrays = Vec::new();
             let kind = match *l {
                 LayerShape::Windowed { sliding_window, ratio, head_dim, ref pool_heads } => {
@@ -201,6 +221,7 @@ impl SegmentPlan {
             index: block.index as u32,
             start: block.start as u64,
             end: block.end as u64,
+            first_layer: self.stage.start as u32,
             layers: block
                 .layers
                 .iter()

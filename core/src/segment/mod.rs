@@ -53,7 +53,15 @@ pub struct SegmentHeader {
     /// The block covers tokens `[start, end)`.
     pub start: u64,
     pub end: u64,
+    /// The model layer `layers[0]` is: a pipeline stage ships only its own layers
+    /// ([`crate::stages`]); 0, and absent on the wire, for a whole block.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub first_layer: u32,
     pub layers: Vec<LayerHeader>,
+}
+
+fn is_zero(x: &u32) -> bool {
+    *x == 0
 }
 
 fn fork_format() -> String {
@@ -105,7 +113,7 @@ impl Segment {
             };
             layers.push(LayerHeader { kind, arrays: shapes });
         }
-        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), omlx_format: format.name().into(), index, start, end, layers }, arrays: arrays.into() }
+        Segment { header: SegmentHeader { request_id: request_id.into(), fingerprint: fingerprint.into(), omlx_format: format.name().into(), index, start, end, first_layer: 0, layers }, arrays: arrays.into() }
     }
 
     /// Borrow the segment as per-layer views for the block writer. Pools stay as the segment

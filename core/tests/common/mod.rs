@@ -174,6 +174,7 @@ pub fn pull(
         limits: pd_bridge_core::wire::FrameLimits::for_plan(&w.plan, writer.format(), block),
         timeout,
         lanes: 1,
+        stages: 1,
     };
     pd_bridge_core::ingest::ingest(&p, writer, control, on_block)
 }

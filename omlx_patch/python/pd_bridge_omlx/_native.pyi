@@ -267,6 +267,7 @@ def ingest(
     secret: str,
     token_ids: list[int],
     lanes: int = 1,
+    stages: int = 1,
 ) -> tuple[int, str]:
     """Receive ``request_id``'s segments from the prefill host at ``host:port``, writing each
     block with ``writer`` as it arrives; ``on_block(block)`` gets each block's ``LandedBlock``
@@ -275,6 +276,9 @@ def ingest(
     ``token``, ``secret`` (as sent in ``pd_capture.secret``), ``request_id``, ``fingerprint`` and
     ``token_ids`` (the prompt exactly as sent to vLLM): a prefill host that cannot is refused
     (AuthError) before a byte of cache is accepted. ``lanes`` > 1 pulls it over that many
-    streams at once (1 to 16; blocks are still written in chain order). Frame lengths are capped by what one block
+    streams at once (1 to 16; blocks are still written in chain order). ``stages`` > 1 pulls
+    a prefill host running vLLM's pipeline parallelism: stage ``s`` serves its layers' part of
+    each block on ``port + s``, and a block is written once every stage's part arrived, joined
+    (a stage that fails ends the capture there, naming the stage). Frame lengths are capped by what one block
     of the writer's plan (its ``model_dir``) can hold. Returns ``(blocks_written,
     verdict_json)``; a broken stream raises PdBridgeError (args ``(message, blocks)``)."""

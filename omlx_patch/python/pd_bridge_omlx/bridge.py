@@ -656,13 +656,15 @@ class Bridge:
 
         def pull():
             return ingest(target.segments_host, target.segments_port, cfg.token, capture_id, fingerprint, writer,
-                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids, lanes=cfg.wire_lanes)  # fmt: skip
+                          timeout_seconds=cfg.idle_s, on_block=on_block, control=control, secret=secret, token_ids=ids, lanes=cfg.wire_lanes if target.stages == 1 else 1, stages=target.stages)  # fmt: skip
 
         spec = {"request_id": capture_id, "block_size": block_size, "fingerprint": fingerprint, "omlx_format": self.version.omlx_format, "secret": secret}
         if carry is not None:
             spec["resume"] = {"position": resumed_at, "carry": base64.b64encode(carry).decode("ascii")}
         if target.dp_rank is not None:
             spec["dp_rank"] = target.dp_rank
+        if target.stages > 1:
+            spec["stages"] = target.stages
         logger.info("pd-bridge[%s]: asking %s to prefill %d tokens (%d blocks, capture %s%s)", request_id, host.url, len(ids), nblocks, capture_id,
                     f", resumed at {resumed_at} ({len(carry)}-byte carry state)" if carry is not None else "")  # fmt: skip
         t_ask = time.perf_counter()

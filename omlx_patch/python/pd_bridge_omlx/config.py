@@ -27,6 +27,9 @@ class PrefillTarget:
     #: vLLM data parallelism behind one endpoint: the rank this target pins requests to (the
     #: ``X-data-parallel-rank`` header) and pulls from (its segment port is the base + rank).
     dp_rank: int | None = None
+    #: vLLM pipeline parallelism on the host: its stages each serve their layers' part of every
+    #: block, stage ``s`` on ``segments_port + s`` (``PD_BRIDGE_PREFILL_PP``); the parts are joined.
+    stages: int = 1
     #: How verdicts and logs name it: "prefill host", "prefill host 2 of 3", "... rank 1".
     label: str = "prefill host"
 
@@ -137,6 +140,9 @@ def from_env(env=None) -> BridgeConfig | None:
     if segs and len(segs) != len(urls):
         raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS lists {len(segs)} segment servers for {len(urls)} prefill hosts in PD_BRIDGE_PREFILL_URL: give one host:port per host, in the same order (or none: each host's own name, port 7188)")  # fmt: skip
     dp = _int(env, "PD_BRIDGE_PREFILL_DP", 1, minimum=1)
+    pp = _int(env, "PD_BRIDGE_PREFILL_PP", 1, minimum=1)
+    if pp > 16:
+        raise BridgeConfigError(f"PD_BRIDGE_PREFILL_PP={pp}: a capture is pulled from at most 16 pipeline stages")
     targets = []
     for i, url in enumerate(urls):
         if segs:
@@ -149,12 +155,13 @@ def from_env(env=None) -> BridgeConfig | None:
                 raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS: {segs[i]!r}: port {port!r} is not a number") from None
         else:
             host, seg_port = urlsplit(url).hostname, 7188
-        if not 0 < seg_port or seg_port + dp - 1 >= 65536:
-            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range" + (f" for {dp} data-parallel ranks (PD_BRIDGE_PREFILL_DP)" if dp > 1 else ""))
+        if not 0 < seg_port or seg_port + dp * pp - 1 >= 65536:
+            raise BridgeConfigError(f"PD_BRIDGE_SEGMENTS port {seg_port} is out of range" + (f" for {dp} data-parallel ranks x {pp} pipeline stages (PD_BRIDGE_PREFILL_DP, PD_BRIDGE_PREFILL_PP)" if dp * pp > 1 else ""))
         name = "prefill host" if len(urls) == 1 else f"prefill host {i + 1} of {len(urls)}"
         for r in range(dp):
-            targets.append(PrefillTarget(url=url, segments_host=host.strip("[]"), segments_port=seg_port + r,
-                                         dp_rank=r if dp > 1 else None, label=f"{name} rank {r}" if dp > 1 else name))  # fmt: skip
+            # Rank r's stages listen on base + r x stages + stage (the prefill host's rule).
+            targets.append(PrefillTarget(url=url, segments_host=host.strip("[]"), segments_port=seg_port + r * pp,
+                                         dp_rank=r if dp > 1 else None, stages=pp, label=f"{name} rank {r}" if dp > 1 else name))  # fmt: skip
     return BridgeConfig(
         prefill_hosts=tuple(targets),
         token=token.encode(),

@@ -119,6 +119,7 @@ class Capture:
         secret: str | None = None,
         prompt_digest: str | None = None,
         fingerprint: str | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         """``omlx_format``: the decoder's oMLX block format, as the decode host's capture spec
         names it (default the fork's); it decides the overlap semantics and what segments carry.
@@ -126,7 +127,9 @@ class Capture:
         (``prompt_digest(ids)`` of the ids prefilled) key the capture on the wire: only a decode
         host holding that secret for this id, weights and prompt can pull it (``fingerprint``: the
         weights fingerprint the decode host asked for, default these weights'). Without them the
-        capture computes but nothing can pull its segments."""
+        capture computes but nothing can pull its segments. ``layers=(start, end)``: this process
+        is one stage of vLLM's pipeline parallelism, fed only those model layers; its segments
+        carry those, and the decode host joins the stages' parts into whole blocks."""
     @property
     def stream_closed(self) -> str | None:
         """Why the segment stream stopped before its seal went out (reader gone, never pulled,

@@ -45,7 +45,6 @@ from .metadata import (  # noqa: F401  (the public names of the former single mo
     CaptureSpecError,
     PdBridgeConnectorMetadata,
     UnsupportedEngineSettings,
-    check_engine_settings,
     check_compilation,
 )
 from .scheduler import PdBridgeConnectorScheduler
@@ -68,7 +67,6 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     with the blocks of that layer's own group either way."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
-        check_engine_settings(vllm_config)
         versions.check()
         check_compilation(vllm_config, OP_NAME)
         super().__init__(vllm_config, role, kv_cache_config)

@@ -26,22 +26,39 @@ class UnsupportedEngineSettings(ValueError):
     """vLLM settings under which a capture could not be complete; refused at engine start."""
 
 
-def check_engine_settings(vllm_config) -> None:
-    """Refuse, at start, settings that would make captures incomplete.
+def pipeline_stage(vllm_config) -> tuple[int, int]:
+    """This worker's pipeline stage and the number of stages (0 and 1 without pipeline
+    parallelism), from vLLM's process groups where they exist, else its config.
 
-    vLLM's prefix cache may stay on (issue 13): a captured request's prefix-cache hit is capped at
-    the block boundary its capture starts from (``prefix_cap.py``), so every row the capture needs
-    is computed; a hit that still reached past it would seal the capture aborted, never complete.
+    Under pipeline parallelism no worker sees every layer's attention input: each stage's TP
+    rank 0 captures its own layers (``stage_layers``) and serves them on its own segment port
+    (``segment_port``), and the decode host joins the stages' parts into whole blocks (the
+    core's ``stages`` module)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
 
-    Pipeline parallelism splits the layers over stages (no one worker sees every layer's input):
-    refused here, naming the setting, rather than sealing every capture aborted. Data parallelism
-    runs: each rank serves its captures on its own segment port (the base port + its rank,
-    ``data_parallel_rank``).
-    """
-    pc = getattr(vllm_config, "parallel_config", None)
-    n = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
-    if n > 1:
-        raise ValueError(f"PdBridgeConnector: pipeline_parallel_size={n} is not supported (tensor and data parallelism are); run the prefill host with pipeline_parallel_size=1")
+        g = get_pp_group()
+        return int(g.rank_in_group), int(g.world_size)
+    except Exception:  # not initialised (the scheduler process): the config says how many
+        pc = getattr(vllm_config, "parallel_config", None)
+        return 0, int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+
+
+def stage_layers(num_layers: int, stage: int, stages: int) -> tuple[int, int]:
+    """The model layers pipeline stage ``stage`` of ``stages`` runs: vLLM's own partition
+    (``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``)."""
+    if stages <= 1:
+        return 0, num_layers
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(num_layers, stage, stages)
+    return int(start), int(end)
+
+
+def segment_port(base: int, dp_rank: int, stage: int, stages: int) -> int:
+    """Where a worker serves its captures: the base port + data-parallel rank × stages + stage
+    (NIXL's rule for its side channel), so every rank and stage of one host has its own."""
+    return base + dp_rank * stages + stage
 
 
 def data_parallel_rank(vllm_config) -> int:
@@ -118,6 +135,9 @@ class CaptureSpec:
     # Data parallelism: the rank the decode host pulls from (and asked vLLM to route to, with
     # the X-data-parallel-rank header); None: any (one rank).
     dp_rank: int | None = None
+    # Pipeline parallelism: the stages the decode host pulls and joins (None: it knows of none,
+    # so it pulls one stream of whole blocks).
+    stages: int | None = None
 
     @staticmethod
     def parse(params: Any) -> CaptureSpec | None:
@@ -145,6 +165,9 @@ class CaptureSpec:
         dp_rank = spec.get("dp_rank")
         if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0):
             raise CaptureSpecError(f"{PARAM_KEY}.dp_rank must be a non-negative integer, got {dp_rank!r}")
+        stages = spec.get("stages")
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 16):
+            raise CaptureSpecError(f"{PARAM_KEY}.stages must be an integer from 1 to 16, got {stages!r}")
         resume_at, carry = 0, None
         resume = spec.get("resume")
         if resume is not None:
@@ -160,7 +183,7 @@ class CaptureSpec:
             except (binascii.Error, ValueError) as e:
                 raise CaptureSpecError(f"{PARAM_KEY}.resume.carry is not base64: {e}") from None
             resume_at = pos
-        return CaptureSpec(rid, bs, fp, fmt, secret, None, resume_at, carry, dp_rank)
+        return CaptureSpec(rid, bs, fp, fmt, secret, None, resume_at, carry, dp_rank, stages)
 
 
 @dataclass

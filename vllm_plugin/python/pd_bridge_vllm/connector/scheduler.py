@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import prefix_cap
-from .metadata import PARAM_KEY, CaptureChunk, CaptureSpec, CaptureSpecError, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups
+from .metadata import PARAM_KEY, CaptureChunk, CaptureSpec, CaptureSpecError, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups, pipeline_stage
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -42,6 +42,7 @@ class PdBridgeConnectorScheduler:
         self.requests: dict[str, _SchedState] = {}
         self.pending_aborts: dict[str, tuple[CaptureSpec, int, str]] = {}
         self.dp_rank = data_parallel_rank(vllm_config)
+        self.stages = pipeline_stage(vllm_config)[1]
         # Captures this rank will not make, and why (said in the request's kv_transfer_params).
         self.refused: dict[str, tuple[str, str]] = {}
 
@@ -58,6 +59,14 @@ class PdBridgeConnectorScheduler:
             # rank it asked for, which never sees this request. Capture nothing, and say so.
             why = f"meant for data-parallel rank {spec.dp_rank}, ran on rank {self.dp_rank} (a router dropped the X-data-parallel-rank header?)"
             logger.error("pd-bridge: request %s: capture %s %s; it runs without a capture", request.request_id, spec.request_id, why)
+            self.refused[request.request_id] = (spec.request_id, why)
+            return
+        if (spec.stages or 1) != self.stages:
+            # The decode host would pull the wrong ports, or take one stage's layers for a
+            # whole block (its writer refuses those): capture nothing, and say what to set.
+            why = (f"this prefill host runs {self.stages} pipeline stages, the decode host pulls {spec.stages or 1} "
+                   f"(set PD_BRIDGE_PREFILL_PP={self.stages} on the decode host)")  # fmt: skip
+            logger.error("pd-bridge: request %s: capture %s: %s; it runs without a capture", request.request_id, spec.request_id, why)
             self.refused[request.request_id] = (spec.request_id, why)
             return
         ids = getattr(request, "prompt_token_ids", None)

@@ -21,7 +21,7 @@ import torch
 
 from .. import tap
 from .._native import Capture, PdBridgeError, SegmentServer, Weights, gpu_capture_times
-from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups, setting
+from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups, pipeline_stage, segment_port, setting, stage_layers
 from .stats import PdBridgeKVConnectorStats
 
 logger = logging.getLogger("vllm.pd_bridge")
@@ -105,8 +105,10 @@ class PdBridgeConnectorWorker:
             rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         except Exception:
             pass
-        # The attention input (MLA and V4 alike) is replicated over TP ranks: rank 0 streams.
+        # The attention input (MLA and V4 alike) is replicated over TP ranks: rank 0 streams,
+        # in every pipeline stage (each runs its own layers).
         self._active = rank == 0
+        self._stage, self._stages = pipeline_stage(vllm_config)
         if not self._active:
             logger.info("pd-bridge: TP rank %d of %d: inactive (TP rank 0 captures; the attention input is replicated over TP ranks)", rank, world)
             return
@@ -121,11 +123,14 @@ class PdBridgeConnectorWorker:
                 "or set PD_BRIDGE_VLLM_WEIGHTS / PD_BRIDGE_VLLM_PORT / PD_BRIDGE_VLLM_TOKEN"
             )
         self._weights = Weights.load(str(weights_dir))
-        # Each data-parallel rank serves on its own port: the configured one + its rank.
+        # This stage's layers (all of them without pipeline parallelism).
+        self._layers = stage_layers(self._weights.num_layers, self._stage, self._stages)
+        # Each data-parallel rank and pipeline stage serves on its own port.
         self._dp_rank = data_parallel_rank(vllm_config)
+        served = segment_port(int(port), self._dp_rank, self._stage, self._stages)
         tok = token.encode() if isinstance(token, str) else bytes(token)
         self._server = SegmentServer(
-            f"[{address}]:{int(port) + self._dp_rank}" if ":" in address else f"{address}:{int(port) + self._dp_rank}",
+            f"[{address}]:{served}" if ":" in address else f"{address}:{served}",
             tok,
             idle_seconds=float(setting(extra, "segment_idle_s", "PD_BRIDGE_VLLM_SEGMENT_IDLE_S", 60.0)),
             queue_wait_seconds=float(setting(extra, "capture_queue_wait_s", "PD_BRIDGE_VLLM_CAPTURE_QUEUE_WAIT_S", 600.0)),
@@ -138,8 +143,9 @@ class PdBridgeConnectorWorker:
         self._graph_rows = _graph_rows(vllm_config)
         tap.set_sink(self)
         logger.info(
-            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v3%s); model tap %s",
+            "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v4%s%s); model tap %s",
             weights_dir, self._weights.fingerprint, self._weights.num_layers, self._server.address, f", data-parallel rank {self._dp_rank}" if self._dp_rank else "",
+            f", pipeline stage {self._stage + 1} of {self._stages}: layers {self._layers[0]}..{self._layers[1]}" if self._stages > 1 else "",
             "installed" if self._tap_ok else "NOT installed (set PD_BRIDGE_VLLM=1)",
         )
 
@@ -183,7 +189,8 @@ class PdBridgeConnectorWorker:
         try:
             if spec.fingerprint is not None and spec.fingerprint != self._weights.fingerprint:
                 failure = f"weights fingerprint mismatch: request wants {spec.fingerprint}, this host has {self._weights.fingerprint}"
-            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format, spec.secret, spec.prompt_digest, spec.fingerprint)
+            stage = self._layers if self._stages > 1 else None
+            cap = Capture(self._weights, spec.request_id, prompt_tokens, spec.block_size, self._server, spec.omlx_format, spec.secret, spec.prompt_digest, spec.fingerprint, layers=stage)
         except Exception as e:  # a bad block size, say: the request still runs
             failure = f"capture could not start: {e}"
             logger.error("pd-bridge: request %s: %s", req_id, failure)
@@ -224,8 +231,8 @@ class PdBridgeConnectorWorker:
             return
         if self._dump_dir:
             self._dump_mla = mla
-        if layer >= self._weights.num_layers:
-            return  # an MTP / draft layer: not part of the decoder's cache
+        if not self._layers[0] <= layer < self._layers[1]:
+            return  # an MTP / draft layer (not part of the decoder's cache), or another stage's
         for ch in meta.chunks:
             wc = self._captures.get(ch.req_id)
             if wc is None or wc.sealed is not None or wc.failure is not None:
@@ -330,8 +337,8 @@ class PdBridgeConnectorWorker:
             if wc is None or wc.sealed is not None:
                 continue
             fed = self._step_fed.get(ch.req_id, set())
-            if wc.failure is None and len(fed) != self._weights.num_layers:
-                missing = sorted(set(range(self._weights.num_layers)) - fed)
+            if wc.failure is None and len(fed) != self._layers[1] - self._layers[0]:
+                missing = sorted(set(range(*self._layers)) - fed)
                 wc.failure = (
                     f"the model tap saw no attention input for layers {missing} "
                     + ("" if tap.installed() or tap.v4_installed() else "(tap not installed: set PD_BRIDGE_VLLM=1 in vLLM's environment)")
