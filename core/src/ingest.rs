@@ -171,16 +171,7 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
                     let (tx, rx) = sync_channel::<Result<Event>>(1);
                     let (key, failure) = (&key, &failure);
                     scope.spawn(move || {
-                        let run = || -> Result<()> {
-                            let mut reader = open_lane(pull, &pull.addrs, key, control, lane)?.starting_at(first as u32, start);
-                            loop {
-                                let event = reader.next_event()?;
-                                let sealed = matches!(event, Event::Seal(_));
-                                if tx.send(Ok(event)).is_err() || sealed {
-                                    return Ok(());
-                                }
-                            }
-                        };
+                        let run = || forward(open_lane(pull, &pull.addrs, key, control, lane)?.starting_at(first as u32, start), &tx);
                         if let Err(e) = run() {
                             let e = cancelled(control, e);
                             let told = CoreError::wire(format!("lane {} of {}: {e}", lane.index, lane.count));
@@ -202,6 +193,18 @@ pub fn ingest(pull: &Pull<'_>, writer: &BlockWriter, control: &IngestControl, mu
         })
     })();
     Ingested { blocks, outcome }
+}
+
+/// Hand a stream's events to the thread that merges them, up to and including its seal (or until
+/// that thread stopped listening).
+fn forward<F: crate::wire::FrameSource>(mut reader: SegmentReader<F>, tx: &std::sync::mpsc::SyncSender<Result<Event>>) -> Result<()> {
+    loop {
+        let event = reader.next_event()?;
+        let sealed = matches!(event, Event::Seal(_));
+        if tx.send(Ok(event)).is_err() || sealed {
+            return Ok(());
+        }
+    }
 }
 
 /// A read error, or the cancel that caused it.
@@ -250,16 +253,7 @@ fn pull_stages(pull: &Pull<'_>, key: &CaptureKey, control: &IngestControl, first
                 let (tx, rx) = sync_channel::<Result<Event>>(1);
                 let failure = &failure;
                 scope.spawn(move || {
-                    let run = || -> Result<()> {
-                        let mut reader = open_lane(pull, addrs, key, control, Lane::SINGLE)?.starting_at(first, start);
-                        loop {
-                            let event = reader.next_event()?;
-                            let sealed = matches!(event, Event::Seal(_));
-                            if tx.send(Ok(event)).is_err() || sealed {
-                                return Ok(());
-                            }
-                        }
-                    };
+                    let run = || forward(open_lane(pull, addrs, key, control, Lane::SINGLE)?.starting_at(first, start), &tx);
                     if let Err(e) = run() {
                         let e = CoreError::wire(format!("pipeline stage {} of {count}: {}", s + 1, cancelled(control, e)));
                         failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(CoreError::wire(e.to_string()));
