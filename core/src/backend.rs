@@ -45,6 +45,49 @@ pub struct DeviceRequest<'a> {
     pub options: &'a CaptureOptions,
 }
 
+/// What a device is made ready for before its first capture ([`crate::device::prepare`]): the
+/// engine's shape, so that the first requests find the decoder's weights resident, the kernels
+/// loaded and the pools of block bodies filled, and allocate, pin and compile nothing on the
+/// prefill engine's forward thread.
+#[derive(Clone, Debug)]
+pub struct DevicePreparation {
+    pub weights: Arc<DecoderWeights>,
+    pub device: usize,
+    /// The oMLX format and block size the captures are expected to ask for (the bodies' size).
+    pub format: OmlxFormat,
+    pub block_size: usize,
+    /// The engine's largest step in tokens (vLLM's `max_num_batched_tokens`): how many blocks one
+    /// capture keeps in flight.
+    pub step_tokens: usize,
+    /// Captures that may run at once.
+    pub captures: usize,
+    /// Finished segments the segment server may hold for slow readers, in bytes: page-locked
+    /// bodies beyond those in flight.
+    pub held_bytes: usize,
+    /// A pipeline stage's layers (its bodies carry only those), or every layer.
+    pub stage: Option<std::ops::Range<usize>>,
+    pub options: CaptureOptions,
+}
+
+/// What preparing a device did: the memory it now holds for captures, outside the engine's own
+/// budget (page-locked host memory and device memory).
+#[derive(Clone, Debug, Default)]
+pub struct Prepared {
+    /// One block's body in bytes.
+    pub body_bytes: usize,
+    /// Device staging bodies and page-locked host bodies kept idle for captures.
+    pub staging_bodies: usize,
+    pub pinned_bodies: usize,
+    pub staging_bytes: usize,
+    pub pinned_bytes: usize,
+    /// Bodies newly allocated by this call (the rest were idle already).
+    pub allocated: usize,
+    pub seconds: f64,
+    /// Why the GPU path would not take captures of this format and block size (nothing was
+    /// prepared; they pool on the CPU).
+    pub declined: Option<String>,
+}
+
 /// A capture's device backend: pools one request's CUDA tensors and produces its segments,
 /// whole and in block order. Every call returns without waiting for the device unless it says
 /// otherwise; an error after device work was queued fails the backend for good (later calls

@@ -4,7 +4,7 @@
 
 use half::bf16;
 
-use crate::backend::{DeviceBackend, DeviceRequest, DeviceTensor};
+use crate::backend::{DeviceBackend, DevicePreparation, DeviceRequest, DeviceTensor, Prepared};
 #[cfg(not(feature = "cuda"))]
 use crate::error::{CoreError, DeviceFailure};
 use crate::error::Result;
@@ -20,6 +20,18 @@ pub fn open(req: DeviceRequest<'_>) -> Result<Option<Box<dyn DeviceBackend>>> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = req;
+        Err(not_built())
+    }
+}
+
+/// Make device `prep.device` ready for captures before the first one (weights resident, kernels
+/// loaded, body pools filled): see [`DevicePreparation`]. Blocks the caller (seconds at most).
+pub fn prepare(prep: &DevicePreparation) -> Result<Prepared> {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::prepare::prepare(prep);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = prep;
         Err(not_built())
     }
 }

@@ -18,7 +18,8 @@ would. Printed per run and summarised in ``OUT/bench.json``:
   on, their ratio, the worst "on" run against the median "off", and the extra wall time of each
   "on" run over the "off" run of its pair (median and worst): a stall cannot hide in a best-of;
 - per captured request, from the connector's seal log line: host time the capture took on vLLM's
-  forward thread, the GPU engine's newly allocated buffers and its host time by phase, bytes;
+  forward thread, the GPU engine's newly allocated buffers and its host time by phase, bytes
+  (the connector fills its pools at engine start, for these blocks: its "ready for" line);
 - seal latency: how long after the step that ran the prompt's last chunk the capture sealed (the
   connector's log line per capture);
 - host RSS of the engine process and GPU memory in use after each run (flat in prompt length
@@ -94,7 +95,9 @@ def engine(a) -> None:
         gpu_memory_utilization=0.85, seed=0, disable_log_stats=False, **({"async_scheduling": False} if a.sync_scheduling else {}),
         kv_transfer_config=KVTransferConfig(
             kv_connector="PdBridgeConnector", kv_connector_module_path="pd_bridge_vllm.connector", kv_role="kv_producer",
-            kv_connector_extra_config={"weights": spec["mlx"], "port": spec["port"], "token": TOKEN.decode(), "address": "127.0.0.1"},
+            kv_connector_extra_config={"weights": spec["mlx"], "port": spec["port"], "token": TOKEN.decode(), "address": "127.0.0.1",
+                                       # the bodies the connector pools at start are sized for these blocks
+                                       "omlx_format": a.omlx_format, **({"block_size": a.block_size} if a.block_size else {})},
         ),
     )
     start_s = time.monotonic() - t0
@@ -130,15 +133,20 @@ def engine(a) -> None:
         wall = time.monotonic() - t
         if puller is not None:
             puller.join(600)
-        # one uncaptured step carries the seal's stats to the frontend's loggers (the seal is
-        # reported by the worker after its step; vllm_capture.py waits the same)
-        time.sleep(1.0)
-        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-        b1 = metric(llm, "vllm:pd_bridge_bytes") or 0
+        # Uncaptured steps carry the seal's stats to the frontend's loggers (the worker reports a
+        # seal with a step after it): step until the counter moves, at most 10 (a capture whose
+        # bytes never arrive reads 0 here, beside the seal line's figure).
+        b1, stats_steps = b0, 0
+        for stats_steps in range(1, 11 if capture else 2):
+            time.sleep(0.2)
+            llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+            b1 = metric(llm, "vllm:pd_bridge_bytes") or 0
+            if b1 != b0:
+                break
         r = {"rid": rid if capture else None, "tokens": n, "capture": capture, "wall_s": round(wall, 3), "tok_per_s": round(n / wall), "rss_gib": round(engine_rss_bytes() / 2**30, 2),
              "gpu_used_gib": round(gpu_used_bytes() / 2**30, 2)}
         if capture:
-            r.update(pulled=pulled.get("blocks"), seal=pulled.get("seal"), error=pulled.get("error"), bytes=b1 - b0,
+            r.update(pulled=pulled.get("blocks"), seal=pulled.get("seal"), error=pulled.get("error"), bytes=b1 - b0, stats_steps=stats_steps,
                      bytes_per_token=round((b1 - b0) / n, 1),
                      blocks_on_disk_gib=round(sum(f.stat().st_size for f in dest.rglob("*.safetensors")) / 2**30, 3))
             import shutil
@@ -236,7 +244,7 @@ def main() -> int:
         bench.write_text(json.dumps(res, indent=1))
         print("summary with per-capture costs:", json.dumps(res["summary"], indent=1))
         print("seal latency (ms) per capture:", json.dumps(seal_ms))
-    print("\n".join(line for line in text.splitlines() if line.startswith(("{", " ", "}", "pd_bridge metrics"))))
+    print("\n".join(line for line in text.splitlines() if line.startswith(("{", " ", "}", "pd_bridge metrics")) or "pd-bridge: cuda" in line or "could not prepare" in line))
     if p.returncode != 0:
         print(text[-4000:])
     return p.returncode

@@ -135,3 +135,42 @@ def test_cuda_tensors_capture_equals_cpu_path(tmp_path, monkeypatch, family):
     assert gpu_seal == cpu_seal
     assert gpu.segments_digest == cpu_digest, "GPU-path segments differ from the CPU path's"
     print(f"{family}: {cpu_digest[0]} segments, identical on the GPU and CPU paths ({torch.cuda.get_device_name(dev)})")
+
+
+def test_a_prepared_device_allocates_nothing_during_captures(tmp_path):
+    """prepare_gpu (the connector calls it at engine start) fills the pools a capture draws its
+    block bodies from: captures of the prepared shape then allocate and pin nothing, a second
+    prepare finds the pools full, and a block size the GPU path does not take is declined."""
+    from pd_bridge_vllm._native import gpu_capture_times, prepare_gpu
+
+    w = pd_bridge_vllm.Weights.load(str(_v4_dir(tmp_path)))
+    fmt, block, step = "upstream-0.6.3", 256, 512
+    got = prepare_gpu(w, 0, fmt, step, block, captures=2, held_bytes=0)
+    assert got["declined"] is None, got
+    in_flight = 2 * (step // block + 2)
+    assert got["staging_bodies"] == 2 * in_flight and got["pinned_bodies"] == 2 * in_flight, got
+    assert got["staging_bytes"] == got["staging_bodies"] * got["body_bytes"] > 0, got
+    again = prepare_gpu(w, 0, fmt, step, block, captures=2, held_bytes=0)
+    assert again["allocated"] == 0, f"the pools were full, yet preparing again allocated: {again}"
+
+    dev = torch.device("cuda", 0)
+    tokens = 1300
+    gen = torch.Generator(device=dev).manual_seed(3)
+    xs = [torch.randn(tokens, HIDDEN, device=dev, generator=gen).to(torch.bfloat16) for _ in range(w.num_layers)]
+    gpu_capture_times(True)
+    servers = [pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"test-token") for _ in range(2)]
+    caps = [pd_bridge_vllm.Capture(w, f"req{i}", tokens, block, servers[i], fmt) for i in range(2)]
+    for s, n in _chunks(tokens, [step]):  # two captures at once, as the pools were sized for
+        for cap in caps:
+            for layer, x in enumerate(xs):
+                xc = x[s : s + n].contiguous()
+                cap.feed_cuda(layer, s, xc.data_ptr(), xc.numel() * xc.element_size(), "bfloat16", 0, torch.cuda.current_stream(dev).cuda_stream)
+                xc.record_stream(torch.cuda.ExternalStream(cap.side_stream, device=dev))
+    seals = [json.loads(cap.seal()) for cap in caps]
+    assert all(x["verdict"] == "complete" and x["blocks"] == tokens // block for x in seals), seals
+    new = gpu_capture_times(True).get("new_buffers")
+    assert new == 0, f"captures of the prepared shape allocated {new} buffers"
+
+    odd = prepare_gpu(w, 0, fmt, step, 250, captures=1)
+    assert odd["declined"] and "250-token blocks" in odd["declined"], odd
+    print(f"prepared: {got}; two captures allocated nothing")

@@ -416,6 +416,45 @@ fn compile_kernels(py: Python<'_>, arch: String) -> PyResult<usize> {
     })
 }
 
+/// Make CUDA device `device` ready for captures before the first request (call it once the
+/// engine has its own memory): the decoder's weights uploaded, the kernels loaded, and the pools
+/// of block bodies filled for `captures` captures at once of `omlx_format` blocks of `block_size`
+/// tokens (default: that format's block size for these weights), with steps of up to `step_tokens` tokens, plus `held_bytes` of finished segments a
+/// slow reader may leave in the segment server. Returns what it holds (bytes of device and of
+/// page-locked host memory, outside the engine's budget) or, in `declined`, why captures of that
+/// format and block size pool on the CPU. `layers=(start, end)`: a pipeline stage's layers.
+#[pyfunction]
+#[pyo3(signature = (weights, device, omlx_format, step_tokens, block_size=None, captures=1, held_bytes=0, layers=None))]
+#[allow(clippy::too_many_arguments)]
+fn prepare_gpu(py: Python<'_>, weights: &Weights, device: usize, omlx_format: &str, step_tokens: usize, block_size: Option<usize>, captures: usize, held_bytes: usize, layers: Option<(usize, usize)>) -> PyResult<Py<pyo3::types::PyDict>> {
+    guard(|| {
+        let format = pd_bridge_core::OmlxFormat::from_name(omlx_format).map_err(to_py)?;
+        let prep = pd_bridge_core::backend::DevicePreparation {
+            weights: weights.inner.clone(),
+            device,
+            format,
+            block_size: block_size.unwrap_or_else(|| format.block_size(&weights.inner.plan)),
+            step_tokens,
+            captures,
+            held_bytes,
+            stage: layers.map(|(a, b)| a..b),
+            options: capture_options_from_env(),
+        };
+        let p = py.detach(|| pd_bridge_core::device::prepare(&prep)).map_err(to_py)?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("block_size", prep.block_size)?;
+        d.set_item("body_bytes", p.body_bytes)?;
+        d.set_item("staging_bodies", p.staging_bodies)?;
+        d.set_item("pinned_bodies", p.pinned_bodies)?;
+        d.set_item("staging_bytes", p.staging_bytes)?;
+        d.set_item("pinned_bytes", p.pinned_bytes)?;
+        d.set_item("allocated", p.allocated)?;
+        d.set_item("seconds", p.seconds)?;
+        d.set_item("declined", p.declined)?;
+        Ok(d.unbind())
+    })
+}
+
 /// Host time the GPU capture engine spent by phase, and the page-locked or staging buffers it
 /// newly allocated, over every GPU capture in this process since the last reset (`reset` zeroes
 /// them after reading): what the connector logs per sealed capture and benchmarks read.
@@ -442,7 +481,7 @@ fn gpu_capture_times(py: Python<'_>, reset: bool) -> PyResult<Py<pyo3::types::Py
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{compile_kernels, cuda_report, gpu_capture_times, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
+    use super::{compile_kernels, cuda_report, gpu_capture_times, prepare_gpu, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

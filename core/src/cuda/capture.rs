@@ -157,11 +157,10 @@ impl GpuCapture {
     /// Flash shapes and tiny V4, several chunkings); [`CaptureOptions::upstream`] off sends it to
     /// the CPU.
     pub fn new(weights: Arc<DecoderWeights>, device: usize, format: OmlxFormat, plan: SegmentPlan, blocks: usize, options: &CaptureOptions) -> Result<Option<Self>> {
-        let bs = plan.block_size();
-        let upstream = options.upstream;
-        if (format.overlap() == Overlap::Carried && !upstream) || (0..plan.num_layers()).any(|l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0) {
+        if declines(format, &plan, options).is_some() {
             return Ok(None);
         }
+        let bs = plan.block_size();
         let steps = DecoderSteps::for_format(format, bs)?;
         let model = GpuModel::shared(weights, device)?;
         let mut cache = GpuCache::new(model, steps, options)?;
@@ -269,9 +268,7 @@ impl GpuCapture {
         let t = &DeviceTensor { ptr: t.ptr + (skip * hidden * 2) as u64, ..*t };
         let bs = self.plan.block_size();
         if self.max_open == 0 {
-            // The blocks one chunk touches (its own, the next one's window lookback), twice over:
-            // the engine may queue a chunk while the device works on the previous one.
-            self.max_open = self.open_blocks.unwrap_or(2 * (rows.div_ceil(bs) + 2)).max(2);
+            self.max_open = blocks_in_flight(self.open_blocks, rows, bs);
         }
         self.cache.model.dev.bind()?;
         let t = DeviceTensor { nbytes: (end - start) * hidden * 2, ..*t };
@@ -401,6 +398,27 @@ impl GpuCapture {
         }
         Ok(std::mem::take(&mut self.ready))
     }
+}
+
+/// Why the GPU path does not take captures of `format` with `plan`'s block size (`None`: it
+/// does): blocks must end on pool window boundaries (`block_size` a multiple of every compress
+/// ratio), and upstream's format needs [`CaptureOptions::upstream`].
+pub(crate) fn declines(format: OmlxFormat, plan: &SegmentPlan, options: &CaptureOptions) -> Option<String> {
+    let bs = plan.block_size();
+    if format.overlap() == Overlap::Carried && !options.upstream {
+        return Some(format!("{} blocks are pooled on the CPU (PD_BRIDGE_GPU_UPSTREAM is off)", format.name()));
+    }
+    (0..plan.num_layers())
+        .find(|&l| plan.ratio(l) != 0 && bs % plan.ratio(l) != 0)
+        .map(|l| format!("{bs}-token blocks do not end on layer {l}'s compress windows of {} tokens: pooled on the CPU", plan.ratio(l)))
+}
+
+/// Blocks one capture keeps open or copying before a feed waits for the oldest copy: the blocks
+/// one `step_rows`-token step touches (its own, the next one's window lookback), twice over, as
+/// the engine may queue a step while the device works on the previous one
+/// ([`CaptureOptions::open_blocks`] overrides).
+pub(crate) fn blocks_in_flight(open_blocks: Option<usize>, step_rows: usize, block_size: usize) -> usize {
+    open_blocks.unwrap_or(2 * (step_rows.div_ceil(block_size.max(1)) + 2)).max(2)
 }
 
 /// The GPU backend for `req`, or `None` where this capture is not handled on the GPU (the

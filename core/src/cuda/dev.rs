@@ -465,7 +465,7 @@ pub(crate) static NEW_BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic:
 /// Idle page-locked memory a device keeps for reuse. Pinning is slow (the pages are allocated and
 /// locked) and freeing it synchronises the device, so buffers go back to the pool, not the OS;
 /// only what exceeds this is freed.
-const PINNED_IDLE_MAX: usize = 4 << 30;
+pub(crate) const PINNED_IDLE_MAX: usize = 4 << 30;
 
 /// A page-locked host buffer leased from a device's pool (a segment body the device copies
 /// into); it goes back to the pool when dropped.
@@ -589,7 +589,7 @@ impl Drop for DevMem {
 
 /// Idle staging memory a device keeps for reuse (allocating and freeing device memory
 /// synchronises the device).
-const STAGING_IDLE_MAX: usize = 2 << 30;
+pub(crate) const STAGING_IDLE_MAX: usize = 2 << 30;
 
 /// A device buffer leased from a device's pool: a block's segment body gathered on the device,
 /// then copied to the host in one piece. Back to the pool when dropped; the holder drops it only

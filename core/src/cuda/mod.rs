@@ -22,6 +22,7 @@ mod dev;
 mod model;
 mod pooler;
 pub(crate) mod capture;
+pub(crate) mod prepare;
 pub mod synthetic;
 
 pub use capture::{capture_times, CaptureTimes};

@@ -188,6 +188,26 @@ def gpu_capture_times(reset: bool = False) -> dict[str, float]:
     ``copies_s``, ``waits_s``) and ``new_buffers`` (page-locked or staging buffers allocated), over
     every GPU capture in this process since the last reset; empty when built without CUDA."""
 
+def prepare_gpu(
+    weights: Weights,
+    device: int,
+    omlx_format: str,
+    step_tokens: int,
+    block_size: int | None = None,
+    captures: int = 1,
+    held_bytes: int = 0,
+    layers: tuple[int, int] | None = None,
+) -> dict[str, int | float | str | None]:
+    """Make CUDA device ``device`` ready before the first capture: the decoder's weights resident,
+    the kernels loaded, the pools of block bodies filled for ``captures`` captures at once of
+    ``omlx_format`` blocks (``block_size`` tokens; default the format's size for these weights) at
+    steps of up to ``step_tokens`` tokens, plus ``held_bytes`` of finished segments a slow reader
+    may leave queued. Returns ``block_size``, ``body_bytes``, ``staging_bodies``,
+    ``pinned_bodies``, ``staging_bytes`` (device memory), ``pinned_bytes`` (page-locked host
+    memory), ``allocated``, ``seconds`` and ``declined`` (why such captures pool on the CPU, or
+    None). Raises ``DeviceError`` without CUDA, ``ConfigError`` for a bad format or size."""
+    ...
+
 def compile_kernels(arch: str) -> int:
     """Compile the capture kernels for ``arch`` (``compute_90``...) with NVRTC; the PTX's length."""
     ...

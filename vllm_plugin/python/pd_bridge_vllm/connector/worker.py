@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import tap
-from .._native import Capture, PdBridgeError, SegmentServer, Weights, gpu_capture_times
+from .._native import Capture, PdBridgeError, SegmentServer, Weights, gpu_capture_times, prepare_gpu
 from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups, pipeline_stage, segment_port, setting, stage_layers
 from .stats import PdBridgeKVConnectorStats
 
@@ -129,6 +129,9 @@ class PdBridgeConnectorWorker:
         self._dp_rank = data_parallel_rank(vllm_config)
         served = segment_port(int(port), self._dp_rank, self._stage, self._stages)
         tok = token.encode() if isinstance(token, str) else bytes(token)
+        self._memory_bytes = int(float(setting(extra, "capture_memory_mb", "PD_BRIDGE_VLLM_CAPTURE_MEMORY_MB", 1024)) * (1 << 20))
+        self._extra = extra
+        self._step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 8192)
         self._server = SegmentServer(
             f"[{address}]:{served}" if ":" in address else f"{address}:{served}",
             tok,
@@ -137,7 +140,7 @@ class PdBridgeConnectorWorker:
             max_connections=int(setting(extra, "max_connections", "PD_BRIDGE_VLLM_MAX_CONNECTIONS", 64)),
             grace_seconds=float(setting(extra, "capture_grace_s", "PD_BRIDGE_VLLM_CAPTURE_GRACE_S", 30.0)),
             pull_timeout_seconds=float(setting(extra, "capture_pull_timeout_s", "PD_BRIDGE_VLLM_CAPTURE_PULL_TIMEOUT_S", 120.0)),
-            memory_bytes=int(float(setting(extra, "capture_memory_mb", "PD_BRIDGE_VLLM_CAPTURE_MEMORY_MB", 1024)) * (1 << 20)),
+            memory_bytes=self._memory_bytes,
         )
         self._tap_ok = tap.installed() or tap.v4_installed()
         self._graph_rows = _graph_rows(vllm_config)
@@ -153,6 +156,37 @@ class PdBridgeConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
+        if self._active:
+            self._prepare_device(kv_caches)
+
+    def _prepare_device(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """On a CUDA engine, once vLLM holds its memory: the capture engine's weights, kernels and
+        body pools made ready now, so no request uploads, compiles, allocates or pins on the
+        forward thread. What it holds is outside vLLM's memory budget, and is logged."""
+        extra = self._extra
+        dev = next((t.device for t in kv_caches.values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+        if dev is None or str(setting(extra, "gpu_prepare", "PD_BRIDGE_VLLM_GPU_PREPARE", "1")) == "0":
+            return
+        fmt = str(setting(extra, "omlx_format", "PD_BRIDGE_VLLM_OMLX_FORMAT", "upstream-0.6.3"))
+        block = setting(extra, "block_size", "PD_BRIDGE_VLLM_BLOCK_SIZE")
+        captures = int(setting(extra, "gpu_captures", "PD_BRIDGE_VLLM_GPU_CAPTURES", 2))
+        try:
+            got = prepare_gpu(
+                self._weights, dev.index or 0, fmt, self._step_tokens, int(block) if block is not None else None, captures=captures,
+                held_bytes=self._memory_bytes, layers=self._layers if self._stages > 1 else None,
+            )
+        except Exception as e:  # the captures then allocate as they go: slower first requests, same blocks
+            logger.warning("pd-bridge: could not prepare %s for captures (%s: %s); the first captures allocate as they go", dev, type(e).__name__, e)
+            return
+        if got.get("declined"):
+            logger.info("pd-bridge: %s %s-token blocks are not pooled on %s: %s", fmt, got["block_size"], dev, got["declined"])
+            return
+        mib = 1 << 20
+        logger.info(
+            "pd-bridge: %s ready for %d captures of %s %d-token blocks at steps of up to %d tokens, in %.2f s: weights resident, kernels loaded, "
+            "%d staging bodies (%.0f MiB of device memory) and %d page-locked bodies (%.0f MiB of host memory) pooled, outside vLLM's memory budget",
+            dev, captures, fmt, got["block_size"], self._step_tokens, got["seconds"], got["staging_bodies"], got["staging_bytes"] / mib, got["pinned_bodies"], got["pinned_bytes"] / mib,
+        )
 
     def bind(self, meta) -> None:
         self._meta = meta if isinstance(meta, PdBridgeConnectorMetadata) else None
