@@ -80,8 +80,9 @@ pub struct Capture {
     device: DevicePath,
     /// The carry state a resumed capture started from: the device backend starts there too.
     carry: Option<crate::pooler::carry::CarryState>,
-    /// The model layers this capture is fed: all, or a pipeline stage's ([`crate::stages`]).
-    stage: std::ops::Range<usize>,
+    /// Tokens whose rows the caller has confirmed it fed from the right place; finished
+    /// segments past it wait (`None`: no gate). See [`Self::hold_until_confirmed`].
+    confirmed: Option<usize>,
 }
 
 impl Capture {
@@ -96,7 +97,6 @@ impl Capture {
     pub fn with_format(format: OmlxFormat, weights: Arc<DecoderWeights>, request_id: &str, prompt_tokens: usize, block_size: usize) -> Result<Self> {
         let steps = DecoderSteps::for_format(format, block_size)?;
         let segments = SegmentPlan::new(family::geometry(&weights.plan, format, block_size), request_id, &weights.fingerprint);
-        let stage = segments.stage();
         Ok(Capture {
             format,
             request_id: request_id.into(),
@@ -111,7 +111,7 @@ impl Capture {
             options: CaptureOptions::default(),
             device: DevicePath::Undecided,
             carry: None,
-            stage,
+            confirmed: None,
         })
     }
 
@@ -124,14 +124,13 @@ impl Capture {
         if fed || !self.assembling.is_empty() || !self.ready.is_empty() || !matches!(self.device, DevicePath::Undecided) {
             return Err(CoreError::config("layers", "a capture's pipeline stage is set before its first feed"));
         }
-        self.segments = self.segments.for_stage(layers.clone())?;
-        self.stage = layers;
+        self.segments = self.segments.for_stage(layers)?;
         Ok(self)
     }
 
     /// The model layers this capture is fed.
     pub fn stage(&self) -> std::ops::Range<usize> {
-        self.stage.clone()
+        self.segments.stage()
     }
 
     /// This capture with the GPU path's `options` (the defaults otherwise; the CPU path reads
@@ -193,6 +192,9 @@ impl Capture {
         self.builder = CacheBuilder::resume(weights, carry)?;
         self.emitted = carry.position / self.block_size;
         self.carry = Some(carry.clone());
+        if let Some(c) = &mut self.confirmed {
+            *c = (*c).max(carry.position); // the decode host holds what precedes the resume point
+        }
         tracing::debug!(request = %self.request_id, resumed_at = carry.position, blocks = self.blocks, "capture resumed from a carry state");
         Ok(())
     }
@@ -265,7 +267,7 @@ impl Capture {
             let fed = (0..self.builder.num_layers()).any(|l| self.builder.processed(l) != Some(origin));
             // The backend (and its resume, for a resumed capture) decides which formats, block
             // sizes and resume points the GPU handles.
-            let whole = self.stage == (0..self.builder.num_layers());
+            let whole = self.stage() == (0..self.builder.num_layers());
             let backend = if fed || !self.options.gpu || !whole {
                 None
             } else {
@@ -301,9 +303,9 @@ impl Capture {
 
     /// A layer of another pipeline stage is refused, naming this stage's layers.
     fn check_stage(&self, layer: usize) -> Result<()> {
-        let n = self.builder.num_layers();
-        if !self.stage.contains(&layer) && self.stage != (0..n) {
-            return Err(CoreError::input(layer, format!("this capture is the pipeline stage of layers {}..{} (of {n})", self.stage.start, self.stage.end)));
+        let (n, stage) = (self.builder.num_layers(), self.stage());
+        if !stage.contains(&layer) && stage != (0..n) {
+            return Err(CoreError::input(layer, format!("this capture is the pipeline stage of layers {}..{} (of {n})", stage.start, stage.end)));
         }
         Ok(())
     }
@@ -346,9 +348,10 @@ impl Capture {
     /// Copy `layer`'s part of block `block`'s segment from its state (the state has just reached
     /// the block's end) into the block's body, and drop what the state no longer needs.
     fn take_part(&mut self, layer: usize, block: usize) -> Result<()> {
-        let n = self.stage.len();
+        let stage = self.stage();
+        let n = stage.len();
         // The block plan holds this stage's layers only, its first at 0.
-        let local = layer - self.stage.start;
+        let local = layer - stage.start;
         let segments = &self.segments;
         let open = self.assembling.entry(block).or_insert_with(|| {
             let plan = segments.block(block);
@@ -374,12 +377,41 @@ impl Capture {
         Ok(())
     }
 
-    /// Segments completed since the last call, in block order.
+    /// Segments completed since the last call, in block order (those the gate lets out, see
+    /// [`Self::hold_until_confirmed`]).
     pub fn take_ready(&mut self) -> Vec<Segment> {
         if let Err(e) = self.poll_device(false) {
             tracing::error!(request = %self.request_id, error = %e, "GPU capture failed");
         }
-        self.ready.drain(..).collect()
+        let out = match self.confirmed {
+            Some(c) => self.ready.iter().take_while(|s| s.header.end as usize <= c).count(),
+            None => self.ready.len(),
+        };
+        self.ready.drain(..out).collect()
+    }
+
+    /// From now on a finished segment goes out only once the caller [`confirm`](Self::confirm)s
+    /// every token it covers: the caller feeds rows whose place in the engine's batch it checks
+    /// later, on the device, without waiting for it (a prefill engine's forward thread). Rows
+    /// found misplaced then end the capture at the last confirmed block, so no block computed
+    /// from them is ever sent.
+    pub fn hold_until_confirmed(&mut self) {
+        if self.confirmed.is_none() {
+            self.confirmed = Some(self.emitted_tokens_before_ready());
+        }
+    }
+
+    /// The rows of tokens before `upto` were fed from the right place: segments that end there
+    /// may go out (with the next [`Self::take_ready`]). No effect without the gate.
+    pub fn confirm(&mut self, upto: usize) {
+        if let Some(c) = &mut self.confirmed {
+            *c = (*c).max(upto);
+        }
+    }
+
+    /// Tokens covered by segments already handed out (or held by the decode host before a resume).
+    fn emitted_tokens_before_ready(&self) -> usize {
+        (self.emitted - self.ready.len()) * self.block_size
     }
 
     /// End the capture. `failure`: why the prefill stopped early (abort, error), if it did. The
@@ -390,7 +422,12 @@ impl Capture {
         }
         // Segments of GPU chunks still in flight belong to the prefix: take them in first.
         let device_failure = self.drain_device().err().map(|e| format!("GPU capture failed: {e}"));
-        let failure = failure.or(device_failure.as_deref());
+        // Finished segments the caller never confirmed are not part of the prefix: dropped.
+        let held = self.confirmed.map_or(0, |c| self.ready.iter().filter(|s| s.header.end as usize > c).count());
+        let unconfirmed = (held > 0).then(|| format!("the rows of tokens from {} on were never confirmed", self.confirmed.unwrap_or(0)));
+        self.ready.truncate(self.ready.len() - held);
+        self.emitted -= held;
+        let failure = failure.or(device_failure.as_deref()).or(unconfirmed.as_deref());
         let blocks = self.emitted as u32;
         let tokens = (self.emitted * self.block_size) as u64;
         let seal = match failure {

@@ -134,3 +134,52 @@ fn aborted_capture_keeps_its_prefix() {
     }
     assert!(matches!(partial.seal(None), Seal::Partial { blocks: 1, .. }));
 }
+
+/// Rows whose place in the engine's batch is checked later (on the device, by a caller that does
+/// not wait for it): finished segments wait for the confirmation, go out once confirmed, and a
+/// seal drops what was never confirmed, so a block computed from unchecked rows never leaves.
+#[test]
+fn segments_wait_for_their_rows_to_be_confirmed() {
+    let w = Arc::new(DecoderWeights::load(mla_model_dir(34)).unwrap());
+    let hidden = w.plan.hidden_size();
+    let mut rng = Rng::new(5);
+    let rows: Vec<_> = (0..2).map(|_| random_rows(&mut rng, 64 * 4, hidden)).collect();
+    let feed = |cap: &mut Capture, a: usize, b: usize| {
+        for (l, x) in rows.iter().enumerate() {
+            cap.feed(l, a, &x[a * hidden..b * hidden]).unwrap();
+        }
+    };
+    let mut cap = Capture::new(w.clone(), "gated", 64 * 4, 64).unwrap();
+    cap.hold_until_confirmed();
+    feed(&mut cap, 0, 150); // blocks 0 and 1 finish
+    assert!(cap.take_ready().is_empty(), "nothing is confirmed yet");
+    cap.confirm(100); // the first step's rows: block 0 only (block 1 ends at 128)
+    let out = cap.take_ready();
+    assert_eq!(out.iter().map(|s| s.header.index).collect::<Vec<_>>(), vec![0]);
+    cap.confirm(150);
+    assert_eq!(cap.take_ready().iter().map(|s| s.header.index).collect::<Vec<_>>(), vec![1]);
+    feed(&mut cap, 150, 256); // blocks 2 and 3, never confirmed
+    assert!(cap.take_ready().is_empty());
+    assert_eq!(cap.seal(None), Seal::Aborted { blocks: 2, reason: "the rows of tokens from 150 on were never confirmed".into() });
+    assert!(cap.take_ready().is_empty(), "the unconfirmed blocks were dropped, not sent after the seal");
+
+    // Confirmed in time, the same capture is whole; a misplaced step's reason is the verdict's.
+    let mut ok = Capture::new(w.clone(), "ok", 64 * 4, 64).unwrap();
+    ok.hold_until_confirmed();
+    feed(&mut ok, 0, 256);
+    ok.confirm(256);
+    assert_eq!(ok.take_ready().len(), 4);
+    assert!(matches!(ok.seal(None), Seal::Complete { blocks: 4, .. }));
+    let mut bad = Capture::new(w.clone(), "bad", 64 * 4, 64).unwrap();
+    bad.hold_until_confirmed();
+    feed(&mut bad, 0, 256);
+    bad.confirm(128);
+    assert_eq!(bad.take_ready().len(), 2);
+    assert_eq!(bad.seal(Some("batch positions disagree")), Seal::Aborted { blocks: 2, reason: "batch positions disagree".into() });
+
+    // Without the gate nothing waits (the default).
+    let mut open = Capture::new(w, "open", 64 * 4, 64).unwrap();
+    feed(&mut open, 0, 150);
+    open.confirm(0);
+    assert_eq!(open.take_ready().len(), 2);
+}

@@ -335,6 +335,30 @@ impl Capture {
         })
     }
 
+    /// From now on a finished segment is sent only once `confirm` covers every token it holds:
+    /// the caller feeds rows whose place in vLLM's batch it checks later, without waiting for the
+    /// device. The seal drops what was never confirmed (see `confirm`).
+    fn hold_until_confirmed(&mut self) -> PyResult<()> {
+        guard(|| {
+            self.inner.hold_until_confirmed();
+            Ok(())
+        })
+    }
+
+    /// The rows of tokens before `upto` were fed from the right place: send the segments that
+    /// end there; returns how many went out.
+    fn confirm(&mut self, py: Python<'_>, upto: usize) -> PyResult<usize> {
+        guard(|| {
+            let before = self.segments;
+            let (inner, outbox, digest, segments, wire) = (&mut self.inner, &self.outbox, &mut self.digest, &mut self.segments, &mut self.bytes);
+            py.detach(|| {
+                inner.confirm(upto);
+                push_all(inner.take_ready(), outbox, digest, segments, wire)
+            });
+            Ok(self.segments - before)
+        })
+    }
+
     /// Bytes of the segments sent so far, as they go on the wire.
     #[getter]
     fn segment_bytes(&self) -> PyResult<u64> {

@@ -165,6 +165,13 @@ class Capture:
     def poll(self) -> int:
         """Take in finished GPU chunks without waiting and send the segments they complete;
         returns how many segments went out."""
+    def hold_until_confirmed(self) -> None:
+        """From now on a finished segment is sent only once ``confirm`` covers every token it
+        holds (rows whose place in the batch is checked later, without waiting for the device);
+        the seal drops what was never confirmed."""
+    def confirm(self, upto: int) -> int:
+        """The rows of tokens before ``upto`` were fed from the right place: send the segments
+        that end there; returns how many went out."""
     @property
     def segment_bytes(self) -> int:
         """Bytes of the segments sent so far, as they go on the wire (frames included)."""

@@ -21,6 +21,7 @@ import torch
 
 from .. import tap
 from .._native import Capture, PdBridgeError, SegmentServer, Weights, gpu_capture_times, prepare_gpu
+from .placement import Placement, locate
 from .metadata import DUMP_ENV, CaptureChunk, CaptureSpec, PdBridgeConnectorMetadata, data_parallel_rank, kv_groups, pipeline_stage, segment_port, setting, stage_layers
 from .stats import PdBridgeKVConnectorStats
 
@@ -36,8 +37,12 @@ class _WorkerCapture:
     fed: dict[int, int] = field(default_factory=dict)  # layer -> next absolute position expected
     sealed: str | None = None
     forward_s: float = 0.0  # host time feeding it took on vLLM's forward thread
-    rows_s: float = 0.0  # of which finding its rows in the step's batch (reads the device)
+    rows_s: float = 0.0  # of which finding its rows in the step's batch (queued, never read back)
     native_s: float = 0.0  # of which in the native feed call
+    # Its steps' placement checks not yet read, in order; each that passes lets the blocks it
+    # completes leave (Capture.confirm).
+    checks: list[Placement] = field(default_factory=list)
+    misplaced: str | None = None  # the check that failed: nothing is confirmed after it
 
 
 # `_WorkerCapture.sealed` while the sealer thread seals it.
@@ -49,17 +54,6 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
 def _segment_bytes(wc: _WorkerCapture) -> int:
     """Bytes of segments the capture has made (0 without a native capture)."""
     return int(getattr(wc.capture, "segment_bytes", 0) or 0) if wc.capture is not None else 0
-
-
-def _graph_rows(vllm_config) -> int:
-    """The largest batch (in tokens) vLLM may run as a replayed CUDA graph; 0 when it runs none
-    (eager, or no graphs). Within that size the tap's rows may live in graph-pool memory."""
-    cc = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(getattr(cc, "cudagraph_mode", None), "name", "NONE")
-    if mode == "NONE" or getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
-        return 0
-    sizes = getattr(cc, "cudagraph_capture_sizes", None) or []
-    return int(max(sizes, default=0) or getattr(cc, "max_cudagraph_capture_size", 0) or 0)
 
 
 def _default_address() -> str:
@@ -90,7 +84,7 @@ class PdBridgeConnectorWorker:
         self._lock = threading.Lock()
         self._stats = PdBridgeKVConnectorStats()
         self._captures: dict[str, _WorkerCapture] = {}
-        self._step_rows: dict[str, int | str] = {}  # req_id -> first batch row (or why not found)
+        self._step_rows: dict[str, Placement | str] = {}  # req_id -> its rows in this step's batch (or why not found)
         self._step_fed: dict[str, set[int]] = {}
         self._step_end: float | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -131,7 +125,7 @@ class PdBridgeConnectorWorker:
         tok = token.encode() if isinstance(token, str) else bytes(token)
         self._memory_bytes = int(float(setting(extra, "capture_memory_mb", "PD_BRIDGE_VLLM_CAPTURE_MEMORY_MB", 1024)) * (1 << 20))
         self._extra = extra
-        self._step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 8192)
+        self._step_tokens = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0) or 8192)
         self._server = SegmentServer(
             f"[{address}]:{served}" if ":" in address else f"{address}:{served}",
             tok,
@@ -143,7 +137,6 @@ class PdBridgeConnectorWorker:
             memory_bytes=self._memory_bytes,
         )
         self._tap_ok = tap.installed() or tap.v4_installed()
-        self._graph_rows = _graph_rows(vllm_config)
         tap.set_sink(self)
         logger.info(
             "pd-bridge: capturing with weights %s (%s, %d layers), serving segments on %s (encrypted, wire v4%s%s); model tap %s",
@@ -194,6 +187,7 @@ class PdBridgeConnectorWorker:
             return
         self._step_rows = {}
         self._step_fed = {}
+        self._settle_all()
         if self._meta is None:
             return
         for req_id, (spec, prompt_tokens, reason) in self._meta.aborts.items():
@@ -242,6 +236,10 @@ class PdBridgeConnectorWorker:
             except PdBridgeError as e:
                 failure = f"carry state refused: {e.args[0] if e.args else e}"
                 logger.error("pd-bridge: request %s: %s", req_id, failure)
+        if cap is not None:
+            # Rows are placed in the batch by checks read a step later (placement.py): a block
+            # leaves once every row it was computed from passed its check.
+            cap.hold_until_confirmed()
         wc = _WorkerCapture(spec, prompt_tokens, cap, failure)
         self._captures[req_id] = wc
         return wc
@@ -273,23 +271,21 @@ class PdBridgeConnectorWorker:
                 continue
             t_feed = time.perf_counter()
             try:
-                row = self._rows(ch, layer_name, positions)
+                place = self._placement(wc, ch, layer_name, positions)
                 t_rows = time.perf_counter()
                 wc.rows_s += t_rows - t_feed
-                if isinstance(row, str):
-                    wc.failure = row
+                if isinstance(place, str):
+                    wc.failure = place
                     continue
                 done = wc.fed.get(layer, 0)
                 skip = max(0, done - ch.start)  # rows already fed (a recompute after preemption)
                 if skip < ch.num_tokens:
-                    # A plain descriptor for the core: pointer and length of contiguous bf16 rows.
-                    x = hidden_states[row + skip : row + ch.num_tokens].to(torch.bfloat16).contiguous()
-                    if x.device.type == "cuda" and hidden_states.shape[0] <= self._graph_rows \
-                            and x.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr():
-                        # A step vLLM may replay as piecewise CUDA graphs: the rows are a view of a
-                        # graph's output, whose memory a later piece of the same step reuses
-                        # before the side stream reads it. Copy them on vLLM's stream first.
-                        x = x.clone()
+                    # A plain descriptor for the core: pointer and length of contiguous bf16 rows,
+                    # gathered on vLLM's stream by indices found on the device. A fresh tensor: never
+                    # a view of a CUDA graph's output, which a later piece of the step may reuse.
+                    x = hidden_states.index_select(0, place.index[skip:] if skip else place.index)
+                    if x.dtype != torch.bfloat16:
+                        x = x.to(torch.bfloat16)
                     if x.device.type == "cuda":
                         # The GPU path: pooled on a side stream ordered after torch's current
                         # stream; nothing here waits for the device. The side stream reads x, so
@@ -314,9 +310,10 @@ class PdBridgeConnectorWorker:
                 logger.error("pd-bridge: request %s: %s", ch.req_id, wc.failure)
             wc.forward_s += time.perf_counter() - t_feed
 
-    def _rows(self, ch: CaptureChunk, layer_name: str, positions: torch.Tensor) -> int | str:
-        """First row of `ch`'s tokens in this step's flattened batch, found by KV slot (with the
-        blocks of the KV-cache group that holds `layer_name`) and checked against positions."""
+    def _placement(self, wc: _WorkerCapture, ch: CaptureChunk, layer_name: str, positions: torch.Tensor) -> Placement | str:
+        """Where `ch`'s tokens sit in this step's flattened batch, found by KV slot (with the blocks
+        of the KV-cache group that holds `layer_name`) on the batch's device; its check joins the
+        capture's queue (read later: placement.py). Once per request and step."""
         got = self._step_rows.get(ch.req_id)
         if got is not None:
             return got
@@ -335,30 +332,45 @@ class PdBridgeConnectorWorker:
         if sm is None:
             got = f"no slot mapping for {layer_name} in the forward context (micro-batching?)"
         else:
-            n = ch.num_tokens
-            want = ch.slots(group).to(sm.device)
-            sm64 = sm.to(torch.int64)
-            # The chunk's last token is always written (a sliding-window cache may skip earlier
-            # rows of a long chunk: slot -1), so it locates the chunk.
-            hits = (sm64 == want[-1]).nonzero().flatten()
-            if hits.numel() != 1:
-                got = f"slot {int(want[-1])} of position {ch.start + n - 1} found {hits.numel()} times in the batch (KV-cache group {group} of {layer_name})"
-            else:
-                r = int(hits[0]) - (n - 1)
-                seg = sm64[r : r + n] if r >= 0 else None
-                if seg is None or seg.shape[0] != n:
-                    got = f"tokens {ch.start}..{ch.start + n} are not contiguous in the batch"
-                else:
-                    written = seg >= 0
-                    pos = positions[r : r + n].to(torch.int64).cpu()
-                    if not torch.equal(seg[written], want[written]):
-                        got = f"tokens {ch.start}..{ch.start + n} are not contiguous in the batch"
-                    elif not torch.equal(pos, torch.arange(ch.start, ch.start + n)):
-                        got = f"batch positions disagree with the scheduler for tokens {ch.start}..{ch.start + n}"
-                    else:
-                        got = r
+            got = locate(sm, positions, ch.slots(group), ch.start, f"KV-cache group {group} of {layer_name}")
+            wc.checks.append(got)
         self._step_rows[ch.req_id] = got
         return got
+
+    def _settle(self, wc: _WorkerCapture, wait: bool) -> None:
+        """Read the capture's placement checks the device has landed (every one if `wait`), in
+        order: each that passed lets out the blocks it completes; the first that failed ends the
+        capture there (its blocks and every later one never leave)."""
+        while wc.checks:
+            if wc.misplaced is not None:
+                wc.checks.clear()
+                return
+            p = wc.checks[0]
+            if not p.ready():
+                if not wait:
+                    return
+                p.wait()
+            wc.checks.pop(0)
+            why = p.failure()
+            if why is not None:
+                wc.checks.clear()
+                wc.misplaced = why
+                if wc.failure is None:
+                    wc.failure = why
+                    logger.error("pd-bridge: capture %s: %s", wc.spec.request_id, why)
+                return
+            if wc.capture is not None:
+                wc.capture.confirm(p.upto)
+
+    def _settle_all(self) -> None:
+        """Without waiting: the captures the forward thread still feeds (a sealing one is the
+        sealer thread's)."""
+        for wc in self._captures.values():
+            if wc.sealed is None and wc.checks:
+                try:
+                    self._settle(wc, wait=False)
+                except Exception as e:  # never into vLLM's step
+                    wc.failure = wc.failure or f"placement check: {type(e).__name__}: {e}"
 
     def wait_for_save(self) -> None:
         """Once per step, after every layer: seal the requests whose last prompt chunk ran."""
@@ -366,6 +378,7 @@ class PdBridgeConnectorWorker:
         if not self._active or meta is None:
             return
         self._step_end = time.perf_counter()  # the step's forward (every layer) has run
+        self._settle_all()
         for ch in meta.chunks:
             wc = self._captures.get(ch.req_id)
             if wc is None or wc.sealed is not None:
@@ -389,9 +402,10 @@ class PdBridgeConnectorWorker:
         if wc.sealed is not None:
             return
         t0 = self._step_end
-        if wc.capture is not None and getattr(wc.capture, "pending", 0):
-            # GPU work of this capture is still in flight and sealing waits for it (event by
-            # event), so it happens on the sealer thread: the forward thread goes on.
+        if wc.capture is not None and (getattr(wc.capture, "pending", 0) or any(p.event is not None for p in wc.checks)):
+            # GPU work of this capture (or a placement check) is still in flight and sealing
+            # waits for it (event by event), so it happens on the sealer thread: the forward
+            # thread goes on.
             wc.sealed = _SEALING
             if self._sealer is None:
                 self._sealer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-bridge-seal")
@@ -401,6 +415,9 @@ class PdBridgeConnectorWorker:
 
     def _finish_seal(self, req_id: str, wc: _WorkerCapture, failure: str | None, t0: float | None) -> None:
         try:
+            # The last steps' placement checks: blocks whose rows passed belong to the prefix.
+            self._settle(wc, wait=True)
+            failure = failure or wc.failure
             if wc.capture is None:
                 verdict = json.dumps({"verdict": "aborted", "blocks": 0, "reason": failure})
             else:
