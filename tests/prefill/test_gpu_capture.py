@@ -174,3 +174,31 @@ def test_a_prepared_device_allocates_nothing_during_captures(tmp_path):
     odd = prepare_gpu(w, 0, fmt, step, 250, captures=1)
     assert odd["declined"] and "250-token blocks" in odd["declined"], odd
     print(f"prepared: {got}; two captures allocated nothing")
+
+
+def test_a_tensor_recorded_on_a_dropped_captures_stream_frees_cleanly(tmp_path):
+    """torch records an event on every stream a tensor was `record_stream`ed on when it frees
+    the tensor, which in vLLM may be after the capture is gone (a request aborted mid-prompt).
+    The side stream is lent by the device, not destroyed with the capture: freeing such a tensor
+    afterwards must neither fail nor abort the process (it did: "context is destroyed")."""
+    import gc
+
+    w = pd_bridge_vllm.Weights.load(str(_v4_dir(tmp_path)))
+    dev = torch.device("cuda", 0)
+    server = pd_bridge_vllm.SegmentServer("127.0.0.1:0", b"test-token")
+    tokens, block = 512, 256
+    xs = [torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16) for _ in range(w.num_layers)]
+    cap = pd_bridge_vllm.Capture(w, "dropped", tokens, block, server, "upstream-0.6.3")
+    handle = cap.side_stream
+    assert handle is not None, "the GPU path was not used"
+    for layer, x in enumerate(xs):
+        cap.feed_cuda(layer, 0, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", 0, torch.cuda.current_stream(dev).cuda_stream)
+        x.record_stream(torch.cuda.ExternalStream(handle, device=dev))
+    del cap
+    gc.collect()
+    del xs, x  # torch now records its free events on the dropped capture's stream
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    again = pd_bridge_vllm.Capture(w, "after", tokens, block, server, "upstream-0.6.3")
+    assert again.side_stream == handle, "the next capture should reuse the idle side stream"
+    print("a tensor freed after its capture was dropped: clean; the stream was lent again")

@@ -154,6 +154,8 @@ pub struct GpuDevice {
     pinned: Mutex<Vec<Pinned>>,
     /// Device staging bodies not leased out (see [`StagingLease`]).
     staging: Mutex<Vec<DevMem>>,
+    /// Side streams not lent out (see [`SideStream`]); never destroyed.
+    side_streams: Mutex<Vec<Stream>>,
 }
 
 // SAFETY: CUmodule/CUfunction handles are process-wide and usable from any thread once the
@@ -208,6 +210,7 @@ impl GpuDevice {
             name,
             pinned: Mutex::new(Vec::new()),
             staging: Mutex::new(Vec::new()),
+            side_streams: Mutex::new(Vec::new()),
         })
     }
 
@@ -393,6 +396,52 @@ impl Drop for Stream {
         unsafe {
             sys::cuStreamSynchronize(self.0);
             sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+/// A capture's side stream, lent from its device and given back (synchronised, never destroyed)
+/// when dropped. Its handle goes to torch (`x.record_stream(ExternalStream(handle))`), and torch
+/// records an event on it whenever such a tensor is freed, which may be after the capture is
+/// gone: a destroyed stream there aborts the engine ("context is destroyed"), a lent one only
+/// orders that free behind later work.
+pub(crate) struct SideStream {
+    dev: Arc<GpuDevice>,
+    stream: Option<Stream>,
+}
+
+unsafe impl Send for SideStream {}
+unsafe impl Sync for SideStream {}
+
+impl SideStream {
+    /// An idle side stream of `dev`, else a new one. The device's context must be bound.
+    pub fn lend(dev: &Arc<GpuDevice>) -> Result<Self> {
+        let idle = dev.side_streams.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let stream = match idle {
+            Some(s) => s,
+            None => Stream::new()?,
+        };
+        Ok(SideStream { dev: dev.clone(), stream: Some(stream) })
+    }
+
+    pub fn handle(&self) -> sys::CUstream {
+        self.stream.as_ref().map_or(std::ptr::null_mut(), |s| s.0)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        match &self.stream {
+            Some(s) => s.sync(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        if let Some(s) = self.stream.take() {
+            // Queued work finishes before another capture's work can be ordered behind it.
+            let _ = s.sync();
+            self.dev.side_streams.lock().unwrap_or_else(|p| p.into_inner()).push(s);
         }
     }
 }

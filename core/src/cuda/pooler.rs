@@ -13,7 +13,7 @@ use cudarc::cublas::sys as cb;
 use cudarc::driver::sys;
 use half::bf16;
 
-use super::dev::{ck, err, Args, DevBuf, Event, Stream};
+use super::dev::{ck, err, Args, DevBuf, Event, SideStream, Stream};
 use super::model::{GpuModel, LayerDev};
 use super::{DeviceTensor, GemmMode};
 use crate::error::{CoreError, DeviceFailure, Result};
@@ -103,7 +103,7 @@ pub struct GpuCache {
     /// (`PD_BRIDGE_GPU_POST_STREAMS`); a layer's own work stays in order on its stream.
     post: Vec<Stream>,
     /// The side stream: ordered after the producer, runs the projections.
-    stream: Stream,
+    stream: SideStream,
 }
 
 // SAFETY: the raw handles (cuBLAS, streams, events, device pointers) are usable from any thread
@@ -133,7 +133,7 @@ impl GpuCache {
         // streams lets every post stream hold a layer while the GEMMs go on.
         let slots = options.slots_used();
         model.dev.bind()?;
-        let stream = Stream::new()?;
+        let stream = SideStream::lend(&model.dev)?;
         // Post streams at high priority: measured slower with several (they crowd out the GEMMs).
         let high = options.post_priority;
         let post = (0..nposts).map(|_| if high { Stream::high_priority() } else { Stream::new() }).collect::<Result<Vec<_>>>()?;
@@ -145,7 +145,7 @@ impl GpuCache {
                 st,
             ));
         }
-        unsafe { cb::cublasSetStream_v2(h, stream.0 as cb::cudaStream_t) };
+        unsafe { cb::cublasSetStream_v2(h, stream.handle() as cb::cudaStream_t) };
         let layers = model
             .layers
             .iter()
@@ -185,11 +185,11 @@ impl GpuCache {
             steps,
             mode,
             window_rows: WindowRows::Retained,
-            y: (0..slots).map(|_| DevBuf::empty(stream.0)).collect(),
+            y: (0..slots).map(|_| DevBuf::empty(stream.handle())).collect(),
             slot: 0,
             ev_gemm: (0..slots).map(|_| Event::new()).collect::<Result<_>>()?,
             ev_post: (0..slots).map(|_| Event::new()).collect::<Result<_>>()?,
-            xbuf: DevBuf::empty(stream.0),
+            xbuf: DevBuf::empty(stream.handle()),
             wtmp: post.iter().map(|p| DevBuf::empty(p.0)).collect(),
             ptmp: post.iter().map(|p| DevBuf::empty(p.0)).collect(),
             stream,
@@ -203,7 +203,7 @@ impl GpuCache {
 
     /// The side stream every feed runs on (as an integer handle, for `torch.cuda.ExternalStream`).
     pub fn stream_handle(&self) -> u64 {
-        self.stream.0 as u64
+        self.stream.handle() as u64
     }
 
     /// The stream `layer`'s state is updated on: work queued on it after a feed of that layer
@@ -309,7 +309,7 @@ impl GpuCache {
                 self.xbuf.ptr,
                 x.as_ptr() as *const c_void,
                 bytes,
-                self.stream.0,
+                self.stream.handle(),
             )
         })?;
         self.stream.sync()?;
@@ -344,7 +344,7 @@ impl GpuCache {
         self.model.dev.bind()?;
         self.order.record(t.stream as sys::CUstream)?;
         ck("ordering after the producer stream", unsafe {
-            sys::cuStreamWaitEvent(self.stream.0, self.order.0, 0)
+            sys::cuStreamWaitEvent(self.stream.handle(), self.order.0, 0)
         })?;
         self.feed_rows(layer, start, t.ptr, t.nbytes / (hidden * BF))
     }
@@ -366,7 +366,7 @@ impl GpuCache {
                     "gemm_exact",
                     (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1),
                     256,
-                    self.stream.0,
+                    self.stream.handle(),
                     &mut a.ptrs(),
                 )
             }
@@ -429,7 +429,7 @@ impl GpuCache {
         // than two slots let the GEMMs run ahead of the (latency-bound) kernels.
         let slot = self.slot;
         self.slot = (self.slot + 1) % self.y.len();
-        ck("ordering", unsafe { sys::cuStreamWaitEvent(self.stream.0, self.ev_post[slot].0, 0) })?;
+        ck("ordering", unsafe { sys::cuStreamWaitEvent(self.stream.handle(), self.ev_post[slot].0, 0) })?;
         self.y[slot].reserve(rows * ntot * BF)?;
         let y = self.y[slot].ptr;
         self.gemm(x, y, rows, w.ptr, ntot, hidden)?;
@@ -438,7 +438,7 @@ impl GpuCache {
             self.layers[layer].processed = end;
             return Ok(());
         }
-        self.ev_gemm[slot].record(self.stream.0)?;
+        self.ev_gemm[slot].record(self.stream.handle())?;
         ck("ordering", unsafe { sys::cuStreamWaitEvent(s, self.ev_gemm[slot].0, 0) })?;
         self.feed_post(layer, start, rows, y, ntot)?;
         self.ev_post[slot].record(s)?;
