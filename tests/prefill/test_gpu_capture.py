@@ -189,10 +189,11 @@ def test_a_tensor_recorded_on_a_dropped_captures_stream_frees_cleanly(tmp_path):
     tokens, block = 512, 256
     xs = [torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16) for _ in range(w.num_layers)]
     cap = pd_bridge_vllm.Capture(w, "dropped", tokens, block, server, "upstream-0.6.3")
-    handle = cap.side_stream
-    assert handle is not None, "the GPU path was not used"
+    handle = None
     for layer, x in enumerate(xs):
         cap.feed_cuda(layer, 0, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", 0, torch.cuda.current_stream(dev).cuda_stream)
+        handle = cap.side_stream  # the GPU path opens at the first feed
+        assert handle is not None, "the GPU path was not used"
         x.record_stream(torch.cuda.ExternalStream(handle, device=dev))
     del cap
     gc.collect()
@@ -200,5 +201,9 @@ def test_a_tensor_recorded_on_a_dropped_captures_stream_frees_cleanly(tmp_path):
     gc.collect()
     torch.cuda.synchronize(dev)
     again = pd_bridge_vllm.Capture(w, "after", tokens, block, server, "upstream-0.6.3")
+    x = xs_again = torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16)
+    again.feed_cuda(0, 0, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", 0, torch.cuda.current_stream(dev).cuda_stream)
     assert again.side_stream == handle, "the next capture should reuse the idle side stream"
+    del again, x, xs_again
+    torch.cuda.synchronize(dev)
     print("a tensor freed after its capture was dropped: clean; the stream was lent again")
