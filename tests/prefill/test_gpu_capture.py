@@ -201,9 +201,9 @@ def test_a_tensor_recorded_on_a_dropped_captures_stream_frees_cleanly(tmp_path):
     gc.collect()
     torch.cuda.synchronize(dev)
     again = pd_bridge_vllm.Capture(w, "after", tokens, block, server, "upstream-0.6.3")
-    x = xs_again = torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16)
+    x = torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16)
     again.feed_cuda(0, 0, x.data_ptr(), x.numel() * x.element_size(), "bfloat16", 0, torch.cuda.current_stream(dev).cuda_stream)
     assert again.side_stream == handle, "the next capture should reuse the idle side stream"
-    del again, x, xs_again
+    del again, x
     torch.cuda.synchronize(dev)
     print("a tensor freed after its capture was dropped: clean; the stream was lent again")
