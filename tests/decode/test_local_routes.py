@@ -14,7 +14,6 @@ host down (nothing listens on the configured port).
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -24,6 +23,7 @@ engines.require("pd_bridge_omlx", "omlx")
 httpx = engines.require("httpx")
 
 import omlx_server  # noqa: E402
+import ports  # noqa: E402
 
 MODEL = "tiny-mla"
 API_KEY = "routes-test-key-7731"
@@ -31,9 +31,7 @@ TOKEN = "routes-shared-secret-5521"
 
 
 def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.dead_port()  # bound, never listening: refused at once, taken by nobody
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ format, saying why, with a ``native`` verdict that says the same. Valid text wit
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -22,14 +21,13 @@ engines.require("pd_bridge_omlx", "omlx")
 httpx = engines.require("httpx")
 
 import omlx_server  # noqa: E402
+import ports  # noqa: E402
 
 MODEL = "tiny-mla"
 
 
 def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.dead_port()  # bound, never listening: refused at once, taken by nobody
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ client) moves ``declined`` and the bytes-per-request histogram; the JSON status 
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -23,6 +22,7 @@ except ImportError:
     engines.missing("prometheus_client is not installed (pd-bridge-omlx depends on it)")
 
 import omlx_server  # noqa: E402
+import ports  # noqa: E402
 
 MODEL = "tiny-mla"
 FAMILIES = {  # family name -> type, as the parser reports them
@@ -36,9 +36,7 @@ FAMILIES = {  # family name -> type, as the parser reports them
 
 
 def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.dead_port()  # bound, never listening: refused at once, taken by nobody
 
 
 @pytest.fixture(scope="module")

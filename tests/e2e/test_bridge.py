@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import e2e_stack as E  # noqa: E402
 import omlx_server as O  # noqa: E402
+import ports  # noqa: E402
 
 import engines  # noqa: E402
 
@@ -283,7 +284,7 @@ def test_several_prefill_hosts_fail_over_and_two_decode_hosts_share_one(model, w
     # the real vLLM; it bridges while the module's oMLX bridges through the same vLLM. The second
     # pulls its capture over three lanes (the first over one stream) from the same segment server.
     busy = _BusyPrefillHost()
-    dead_seg, dead_http, dead_seg2 = O.free_port(), O.free_port(), O.free_port()
+    dead_seg, dead_http, dead_seg2 = ports.dead_port(), ports.dead_port(), ports.dead_port()
     urls = f"{busy.url},http://127.0.0.1:{dead_http},{vllm.url}"
     segs = f"127.0.0.1:{dead_seg},127.0.0.1:{dead_seg2},127.0.0.1:{vllm.segments_port}"
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 import threading
 import urllib.request
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import e2e_stack as E  # noqa: E402
 import omlx_server as O  # noqa: E402
+import ports  # noqa: E402
 
 import engines  # noqa: E402
 
@@ -32,15 +32,7 @@ LONG = 2000  # tokens: 7 blocks of 256 bridged
 
 def two_free_ports() -> int:
     """A port p with p and p + 1 free (rank 0's and rank 1's segment servers)."""
-    for _ in range(50):
-        p = O.free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
+    return ports.free_ports(2)
 
 
 @pytest.fixture(scope="module")

