@@ -30,6 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import engines  # noqa: E402
 import omlx_server  # noqa: E402
 
 TOKEN = "e2e-shared-secret"
@@ -136,6 +137,7 @@ def vllm_server(model: Model, work: Path, max_batched_tokens: int = 8192, timeou
     env.pop("PD_BRIDGE_OMLX", None)
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / f"vllm-{port}.log"
+    engines.starting("vllm serve")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(work))
     server = VllmServer(f"http://127.0.0.1:{port}", port, seg_port, proc, log_path, api_key)

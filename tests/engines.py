@@ -32,3 +32,11 @@ def require(*modules: str):
         except Exception as e:  # an engine that fails to import is as missing as an absent one
             missing(f"{name} is not importable here: {type(e).__name__}: {e}")
     return got[0] if got else None
+
+
+def starting(what: str) -> None:
+    """Called where a test starts an engine. The quick lane (``tests/bridge.sh quick``, which sets
+    ``PD_BRIDGE_QUICK=1``) runs only tests not marked ``engine``: reaching here there means a test
+    that starts an engine lacks its mark."""
+    if os.environ.get("PD_BRIDGE_QUICK") == "1":
+        raise RuntimeError(f"{what} started in the quick lane: mark the test `engine` (pytest.mark.engine)")

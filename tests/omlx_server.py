@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import engines
 import ports  # tests/ports.py: this phase's own block of ports
 
 VOCAB_SIZE = 1024
@@ -409,6 +410,7 @@ def serve(
     ]  # fmt: skip
     log_path = home / f"omlx-serve-{port}.log"
     t0 = time.monotonic()
+    engines.starting("omlx serve")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(home), start_new_session=True)  # fmt: skip

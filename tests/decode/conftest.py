@@ -21,3 +21,23 @@ def models(tmp_path_factory) -> Path:
     tiny_models.make_v4(root / "tiny-v4-mxfp8", attention="mxfp8")
     tiny_models.make_mla(root / "tiny-mla")
     return root
+
+
+# oMLX's native run of each model's prompt (tests/native_runs.py): served once for the session
+# and only read by test_blocks, test_resume and test_store_hostile.
+@pytest.fixture(scope="session")
+def native_v4(models, tmp_path_factory):
+    import native_runs
+
+    return native_runs.native_run("tiny-v4-bf16", models, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def native_mla(models, tmp_path_factory):
+    import native_runs
+
+    return native_runs.native_run("tiny-mla", models, tmp_path_factory)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine: starts a vLLM or oMLX engine (left out of the quick lane)")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.engine  # starts real `omlx serve` processes: not in the quick lane
+
 import engines  # noqa: E402  (tests/ is on the path: conftest)
 
 engines.require("pd_bridge_omlx", "omlx")

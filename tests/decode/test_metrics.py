@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.engine  # starts a real `omlx serve`: not in the quick lane
+
 import engines  # noqa: E402  (tests/ is on the path: conftest)
 
 engines.require("pd_bridge_omlx", "omlx")

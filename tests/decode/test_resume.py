@@ -16,13 +16,15 @@ import threading
 
 import pytest
 
+pytestmark = pytest.mark.engine  # starts real `omlx serve` processes: not in the quick lane
+
 import engines
 
 engines.require("omlx", "pd_bridge_omlx")
 
 import omlx_server  # noqa: E402
 import bridge_blocks  # noqa: E402
-from test_blocks import BRIDGE_ENV, OMLX, UPSTREAM, native, native_mla, native_v4, rescan  # noqa: E402,F401  (fixtures)
+from test_blocks import BRIDGE_ENV, OMLX, UPSTREAM, native, rescan  # noqa: E402,F401  (native: a fixture over conftest's)
 
 
 def test_resumed_capture_continues_from_omlx_own_block(native, tmp_path):

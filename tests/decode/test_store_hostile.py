@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.engine  # starts real `omlx serve` processes: not in the quick lane
+
 import engines
 
 engines.require("omlx", "pd_bridge_omlx")

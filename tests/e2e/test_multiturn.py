@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine  # starts vLLM and oMLX servers: not in the quick lane
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import e2e_stack as E  # noqa: E402

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.engine  # starts oMLX servers: not in the quick lane
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import e2e_stack as E  # noqa: E402

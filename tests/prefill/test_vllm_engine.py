@@ -116,6 +116,8 @@ def _driver(work: Path) -> None:
 
 import pytest  # noqa: E402
 
+pytestmark = pytest.mark.engine  # starts a vLLM engine: not in the quick lane
+
 
 if __name__ != "__main__":
     import engines

@@ -44,6 +44,8 @@ NO_CPU_MLA = {"0.27.1"}
 
 import pytest  # noqa: E402
 
+pytestmark = pytest.mark.engine  # starts a vLLM engine per release: not in the quick lane
+
 sys.path.insert(0, str(HERE.parent))
 import engines  # noqa: E402
 

@@ -74,6 +74,8 @@ def _driver(work: Path) -> None:
 
 import pytest  # noqa: E402
 
+pytestmark = pytest.mark.engine  # starts a vLLM engine (TP=2): not in the quick lane
+
 
 if __name__ != "__main__":
     import engines

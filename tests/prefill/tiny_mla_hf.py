@@ -16,6 +16,7 @@ Deterministic: same seed, same bytes. Run as a script: ``python tiny_mla_hf.py O
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -236,6 +237,8 @@ def captured_llm(hf_dir: str, mlx_dir: str, port: int, token: str, **engine):
         ),
     )
     args.update(engine)
+    if os.environ.get("PD_BRIDGE_QUICK") == "1":  # as tests/engines.py's starting(), in the engine's process
+        raise RuntimeError("a vLLM engine started in the quick lane: mark the test `engine` (pytest.mark.engine)")
     return LLM(**args)
 
 
