@@ -17,6 +17,10 @@ STATE=${PD_BRIDGE_HOME:-$ROOT/.pd-bridge}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$STATE"
 cd "$ROOT"
+# Python keeps the bytecode it compiles: with PYTHONDONTWRITEBYTECODE set (as some CI images do),
+# every vLLM engine start recompiled torch's and vLLM's sources in each of its three processes
+# (import of vLLM 15 s of CPU without bytecode, 8 s with, on this 2-core machine).
+unset PYTHONDONTWRITEBYTECODE
 
 log() { printf '\n== %s\n' "$*" >&2; }
 
