@@ -177,13 +177,17 @@ build_rust_tests() {
     cargo test --release --no-run --quiet $t
   done
 }
-run_rust_tests() {
-  local t
+run_rust_tests() { # every group runs even after one fails; fails at the end naming them
+  local t failed=()
   for t in "${RUST_TESTS[@]}"; do
     log "Rust tests: $t"
     # shellcheck disable=SC2086
-    cargo test --release $t
+    cargo test --release $t || failed+=("$t")
   done
+  if [ "${#failed[@]}" -gt 0 ]; then
+    printf 'Rust tests FAILED: %s\n' "${failed[@]}" >&2
+    return 1
+  fi
 }
 
 make_models() {

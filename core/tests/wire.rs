@@ -52,6 +52,20 @@ fn capture(srv: &SegmentServer, rid: &str, s: &CaptureSecret) -> Arc<pd_bridge_c
     ob
 }
 
+/// Register capture `rid`, fill it, and pull it whole; sealed only once the pull has taken both
+/// segments (a pulled capture is past its grace's reach), so under a short grace the pull never
+/// races the clock: a loaded machine may take longer than the grace to connect and handshake.
+fn capture_and_pull(srv: &SegmentServer, rid: &str, s: &CaptureSecret) -> Result<Vec<u32>, CoreError> {
+    let ob = srv.outbox(rid, s, FP, &prompt()).unwrap();
+    assert!(ob.push(seg(rid, 0)) && ob.push(seg(rid, 1)));
+    std::thread::scope(|scope| {
+        let pull = scope.spawn(|| pull_events(srv.local_addr(), TOKEN, s, rid, FP, &prompt()));
+        wait_until("the pull takes both segments", Duration::from_secs(60), || ob.queued_bytes() == 0 || pull.is_finished());
+        ob.seal(Seal::Complete { blocks: 2, tokens: 16 });
+        pull.join().unwrap()
+    })
+}
+
 /// Pull `rid` with the given proof; every event until the seal, or the error.
 fn pull_events(addr: SocketAddr, token: &[u8], s: &CaptureSecret, rid: &str, fp: &str, p: &PromptDigest) -> Result<Vec<u32>, CoreError> {
     let stream = TcpStream::connect(addr).unwrap();
@@ -145,16 +159,14 @@ fn a_pull_after_its_capture_was_dropped_is_refused_at_once_with_the_reason() {
         other => panic!("{other:?}"),
     }
     // Pulled to the end: a second pull hears that.
-    capture(&srv, "twice", &s);
-    assert_eq!(pull_events(srv.local_addr(), TOKEN, &s, "twice", FP, &prompt()).unwrap(), vec![0, 1]);
+    assert_eq!(capture_and_pull(&srv, "twice", &s).unwrap(), vec![0, 1]);
     wait_until("the sent capture leaves", Duration::from_secs(5), || srv.outboxes() == 0);
     match pull_events(srv.local_addr(), TOKEN, &s, "twice", FP, &prompt()) {
         Err(CoreError::Auth(m)) => assert!(m.contains("already pulled"), "{m}"),
         other => panic!("{other:?}"),
     }
     // A new capture under a buried id is pullable again.
-    capture(&srv, "late", &s);
-    assert_eq!(pull_events(srv.local_addr(), TOKEN, &s, "late", FP, &prompt()).unwrap(), vec![0, 1]);
+    assert_eq!(capture_and_pull(&srv, "late", &s).unwrap(), vec![0, 1]);
 }
 
 /// A server that does not know the token, standing in for the prefill host: it answers the hello
