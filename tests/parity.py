@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
-from parity_common import ParityResult, Tally, bf16_bits, dequantize_projections, prompt, random_chunking  # noqa: E402,F401
+from parity_common import ParityResult, Tally, bf16_bits, prompt, random_chunking  # noqa: E402,F401
 
 from pd_bridge_omlx import CacheBuilder, Weights  # noqa: E402
 
@@ -176,10 +176,8 @@ def mla_classes():
     return (dv3.DeepseekV3Attention,)
 
 
-def run_v4(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP, dequantized: bool = False) -> ParityResult:
+def run_v4(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP) -> ParityResult:
     model = tiny_models.load(model_dir)
-    if dequantized:
-        assert dequantize_projections(model, "attn", "wkv") > 0, "model has no MXFP8 attention to dequantize"
     weights = Weights.load(str(model_dir))
     toks = prompt(n_tokens, model.args.vocab_size)
     t0 = time.perf_counter()
@@ -188,7 +186,7 @@ def run_v4(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_S
     tally = Tally()
     core_s = core_replay(weights, cap, step, tally)
     core_replay(weights, cap, step, tally, chunking=random_chunking(n_tokens, random.Random(7)))
-    return ParityResult(model_dir.name + (" (dequantized forward)" if dequantized else ""), tally, mlx_s, core_s)
+    return ParityResult(model_dir.name, tally, mlx_s, core_s)
 
 
 def run_mla(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP) -> ParityResult:
@@ -208,7 +206,6 @@ def main(models: Path) -> int:
     print(f"parity: {PROMPT_TOKENS}-token prompt, decoder steps of {DECODER_STEP}, mlx {mx.__version__}")
     runs = [
         lambda: run_v4(models / "tiny-v4-bf16"),
-        lambda: run_v4(models / "tiny-v4-mxfp8", dequantized=True),
         lambda: run_v4(models / "tiny-v4-mxfp8"),
         lambda: run_mla(models / "tiny-mla"),
     ]

@@ -1,6 +1,5 @@
 """What the parity scripts share (``parity.py``: DeepSeek-V4 and MLA; ``parity_v41.py``:
-DeepSeek-V4.1): raw bits of MLX arrays, the agreement tally, the prompt and its random re-cutting,
-and the swap of MXFP8 projections for their exact dequantization."""
+DeepSeek-V4.1): raw bits of MLX arrays, the agreement tally, the prompt and its random re-cutting."""
 
 from __future__ import annotations
 
@@ -104,22 +103,3 @@ def random_chunking(total: int, rng: random.Random) -> list[int]:
 def prompt(n: int, vocab: int, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n)]
-
-
-def dequantize_projections(model, attention: str, projection: str) -> int:
-    """Swap every MXFP8 ``layer.<attention>.<projection>`` for a bf16 Linear holding
-    ``mx.dequantize`` of it: the "dequantize, then f32-accumulated matmul" arithmetic the core
-    implements (MLX's CPU ``quantized_matmul`` with bf16 activations rounds otherwise)."""
-    import mlx.nn as nn
-
-    swapped = 0
-    for layer in model.layers:
-        attn = getattr(layer, attention)
-        q = getattr(attn, projection)
-        if isinstance(q, nn.QuantizedLinear):
-            w = mx.dequantize(q.weight, q.scales, None, q.group_size, q.bits, mode=q.mode).astype(mx.bfloat16)
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-            lin.weight = w
-            setattr(attn, projection, lin)
-            swapped += 1
-    return swapped

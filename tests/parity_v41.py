@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_v41  # noqa: E402
-from parity_common import ParityResult, Tally, bits, dequantize_projections, prompt, random_chunking  # noqa: E402
+from parity_common import ParityResult, Tally, bits, prompt, random_chunking  # noqa: E402
 
 # Odd, so the last group is unfinished (pending rows); steps of an odd size, so calls start at
 # odd positions too (the pending row crosses calls), and the window (128) wraps many times.
@@ -195,12 +195,10 @@ def core_resume(weights, cap: ForwardCapture, step_index: int, tally: Tally, rng
         compare_layer(tally, f"resumed@{position} layer {layer}", builder, layer, cap.expected[-1][layer], skip_groups=skip)
 
 
-def run_v41(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP, dequantized: bool = False) -> ParityResult:
+def run_v41(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_STEP) -> ParityResult:
     from pd_bridge_omlx._native import V41Weights
 
     model = tiny_v41.load(model_dir)
-    if dequantized:
-        assert dequantize_projections(model, "self_attn", "kv_proj") > 0, "model has no MXFP8 window projection to dequantize"
     weights = V41Weights.load(str(model_dir))
     toks = prompt(n_tokens, model.args.vocab_size)
     t0 = time.perf_counter()
@@ -212,21 +210,21 @@ def run_v41(model_dir: Path, n_tokens: int = PROMPT_TOKENS, step: int = DECODER_
     # Resume at an odd step boundary (a pending row is carried) and at an even one.
     for k in (0, 1):
         core_resume(weights, cap, k, tally, random.Random(10 + k))
-    return ParityResult(model_dir.name + (" (dequantized forward)" if dequantized else ""), tally, mlx_s, core_s, len(cap.steps))
+    return ParityResult(model_dir.name, tally, mlx_s, core_s, len(cap.steps))
 
 
 def main(models: Path) -> int:
     print(f"parity (DeepSeek-V4.1): {PROMPT_TOKENS}-token prompt, steps of {DECODER_STEP}, mlx {mx.__version__}")
     ok = True
-    for name, attention, dequantized in ((tiny_v41.NAME, "bf16", False), (tiny_v41.NAME_MXFP8, "mxfp8", True), (tiny_v41.NAME_MXFP8, "mxfp8", False)):
+    for name, attention in ((tiny_v41.NAME, "bf16"), (tiny_v41.NAME_MXFP8, "mxfp8")):
         model_dir = models / name
         if not (model_dir / "config.json").exists():
             tiny_v41.make_v41(model_dir, attention=attention)
-        r = run_v41(model_dir, dequantized=dequantized)
+        r = run_v41(model_dir)
         print(r.tally.line(r.name) + f"  (mlx-lm forward {r.mlx_seconds:.1f}s, core {r.core_seconds:.2f}s, {r.steps} steps)")
         for m in r.tally.mismatched[:5]:
             print("    " + m, flush=True)
-        ok &= r.tally.bit_exact or not (dequantized or attention == "bf16")
+        ok &= r.tally.bit_exact
     return 0 if ok else 1
 
 

@@ -26,6 +26,7 @@ pub mod ingest;
 pub mod numerics;
 pub mod options;
 pub mod plan;
+pub mod quant;
 pub mod pooler;
 pub mod segment;
 pub mod segment_server;

@@ -7,6 +7,8 @@
 
 use half::bf16;
 
+use crate::quant::Accumulate;
+
 /// Round an f32 to bf16 (round to nearest, ties to even), as every MLX cast does.
 #[inline]
 pub fn round_bf16(x: f32) -> bf16 {
@@ -19,12 +21,12 @@ pub fn widen(x: bf16) -> f32 {
     x.to_f32()
 }
 
-/// `y[L,N] = bf16(x[L,K] · w[N,K]ᵀ)`: MLX's CPU bf16 matmul is a float32 sum over the inner
-/// dimension in index order, rounded once to bf16.
+/// `y[L,N] = x[L,K] · w[N,K]ᵀ` in bf16, summed as MLX's CPU sums it for the projection's storage
+/// ([`Accumulate`]): a bf16 weight's matmul is a float32 sum in index order rounded once to bf16;
+/// a quantized one's `quantized_matmul` rounds every step to bf16 (`mlx/backend/cpu/quantized.cpp`).
 ///
-/// `w` is the weight as `nn.Linear` stores it (`[out, in]`), already widened to f32 (exactly:
-/// the weights are bf16 or dequantized MX values, both exact in f32).
-pub fn linear(x: &[bf16], rows: usize, k: usize, w: &[f32], n: usize, out: &mut Vec<bf16>) {
+/// `w` holds the elements as MLX's kernel forms them (`[out, in]`, exact in f32).
+pub fn linear(x: &[bf16], rows: usize, k: usize, w: &[f32], acc: &Accumulate, n: usize, out: &mut Vec<bf16>) {
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(w.len(), n * k);
     out.clear();
@@ -33,27 +35,51 @@ pub fn linear(x: &[bf16], rows: usize, k: usize, w: &[f32], n: usize, out: &mut 
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(rows.max(1));
     let work = rows * n * k;
     if threads <= 1 || work < (1 << 22) {
-        linear_rows(x, k, w, n, out);
+        linear_rows(x, k, w, acc, n, out);
         return;
     }
     let per = rows.div_ceil(threads);
     std::thread::scope(|s| {
         for (xs, os) in x.chunks(per * k).zip(out.chunks_mut(per * n)) {
-            s.spawn(move || linear_rows(xs, k, w, n, os));
+            s.spawn(move || linear_rows(xs, k, w, acc, n, os));
         }
     });
 }
 
-fn linear_rows(x: &[bf16], k: usize, w: &[f32], n: usize, out: &mut [bf16]) {
+fn linear_rows(x: &[bf16], k: usize, w: &[f32], acc: &Accumulate, n: usize, out: &mut [bf16]) {
     let mut xf = vec![0f32; k];
     for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         for (dst, src) in xf.iter_mut().zip(xr) {
             *dst = src.to_f32();
         }
         for (j, o) in or.iter_mut().enumerate() {
-            *o = round_bf16(dot_sequential(&xf, &w[j * k..(j + 1) * k]));
+            let wr = &w[j * k..(j + 1) * k];
+            *o = match acc {
+                Accumulate::F32 => round_bf16(dot_sequential(&xf, wr)),
+                Accumulate::Bf16 => dot_bf16(&xf, wr),
+                Accumulate::Bf16Groups { group, scales } => {
+                    let groups = k / group;
+                    let mut sum = bf16::ZERO;
+                    for (g, (xg, wg)) in xf.chunks_exact(*group).zip(wr.chunks_exact(*group)).enumerate() {
+                        let gsum = dot_bf16(xg, wg);
+                        sum = round_bf16(sum.to_f32() + round_bf16(scales[j * groups + g] * gsum.to_f32()).to_f32());
+                    }
+                    sum
+                }
+            };
         }
     }
+}
+
+/// MLX's `bfloat16_t` dot product: each product rounded to bf16, then the running sum (computed in
+/// f32) rounded to bf16, strictly left to right.
+#[inline]
+fn dot_bf16(a: &[f32], b: &[f32]) -> bf16 {
+    let mut acc = bf16::ZERO;
+    for (x, y) in a.iter().zip(b) {
+        acc = round_bf16(acc.to_f32() + round_bf16(x * y).to_f32());
+    }
+    acc
 }
 
 /// Sequential f32 dot product. Written as four independent chains would change the rounding;

@@ -1,10 +1,10 @@
 //! The decoder's attention-cache weights, read from an MLX model directory, and their
 //! fingerprint.
 //!
-//! Only the tensors the cache math uses are read. Quantized projections are dequantized exactly
-//! as `mx.dequantize` does (MXFP8: an e4m3 element times a shared power-of-two scale, exact in
-//! f32 and in bf16). The fingerprint hashes exactly those tensors as stored plus the plan, so two
-//! hosts agree on it iff they would compute the same cache.
+//! Only the tensors the cache math uses are read. A quantized projection (any format MLX writes,
+//! [`crate::quant`]) is unpacked into the elements MLX's kernel forms, with the kernel's way of
+//! summing them. The fingerprint hashes exactly those tensors as stored, each quantized module's
+//! format and the plan, so two hosts agree on it iff they would compute the same cache.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -18,13 +18,39 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{CoreError, Result};
 use crate::plan::{ModelPlan, V4LayerKind};
+pub(crate) use crate::quant::Quantization;
+use crate::quant::{unpack, Accumulate, QuantMode};
 
-/// A projection `y = x·Wᵀ`, `w` row-major `[out, in]`, widened to f32 (exact).
+/// A projection `y = x·Wᵀ`: `w` row-major `[out, in]`, each element as MLX's kernel forms it
+/// (the bf16 weight, or a quantized weight's unpacked element), widened to f32 (exact); `acc`,
+/// how MLX sums the products.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub out_dim: usize,
     pub in_dim: usize,
     pub w: Vec<f32>,
+    pub acc: Accumulate,
+    /// How the model stores it: `bf16`, or a quantized format (`affine 4-bit g64`, `mxfp4`, …).
+    pub format: String,
+}
+
+impl Linear {
+    /// A dense bf16 projection (weights already widened).
+    pub fn dense(out_dim: usize, in_dim: usize, w: Vec<f32>) -> Self {
+        Linear { out_dim, in_dim, w, acc: Accumulate::F32, format: "bf16".into() }
+    }
+
+    /// The weight dequantized (`mx.dequantize`), `[out, in]`, each value exact in bf16: what a
+    /// plain GEMM multiplies by.
+    pub fn dequantized(&self) -> Vec<f32> {
+        match &self.acc {
+            Accumulate::F32 | Accumulate::Bf16 => self.w.clone(),
+            Accumulate::Bf16Groups { group, scales } => {
+                let groups = self.in_dim / group;
+                self.w.iter().enumerate().map(|(i, &e)| e * scales[(i / self.in_dim) * groups + (i % self.in_dim) / group]).collect()
+            }
+        }
+    }
 }
 
 /// A compressor's weights (the pooled KV or the indexer's).
@@ -173,54 +199,6 @@ impl DecoderWeights {
     }
 }
 
-/// How a quantized weight is stored, from `config.json`'s `quantization` block.
-#[derive(Clone, Debug, PartialEq)]
-struct QuantSpec {
-    mode: String,
-    group_size: u64,
-    bits: u64,
-}
-
-pub(crate) struct Quantization {
-    default: Option<QuantSpec>,
-    per_module: BTreeMap<String, QuantSpec>,
-}
-
-impl Quantization {
-    pub(crate) fn from_config(cfg: &Value) -> Result<Self> {
-        let q = match cfg.get("quantization").or_else(|| cfg.get("quantization_config")) {
-            None | Some(Value::Null) => return Ok(Quantization { default: None, per_module: BTreeMap::new() }),
-            Some(Value::Object(m)) => m,
-            Some(other) => return Err(CoreError::config("quantization", format!("expected an object, got {other}"))),
-        };
-        let spec = |field: &str, m: &serde_json::Map<String, Value>| -> Result<Option<QuantSpec>> {
-            if !m.contains_key("bits") && !m.contains_key("group_size") {
-                return Ok(None);
-            }
-            let num = |k: &str| m.get(k).and_then(Value::as_u64).ok_or_else(|| CoreError::config(format!("{field}.{k}"), "missing or not an integer"));
-            Ok(Some(QuantSpec {
-                mode: m.get("mode").and_then(Value::as_str).unwrap_or("affine").to_string(),
-                group_size: num("group_size")?,
-                bits: num("bits")?,
-            }))
-        };
-        let default = spec("quantization", q)?;
-        let mut per_module = BTreeMap::new();
-        for (k, v) in q {
-            if let Value::Object(m) = v {
-                if let Some(s) = spec(&format!("quantization.{k}"), m)? {
-                    per_module.insert(k.clone(), s);
-                }
-            }
-        }
-        Ok(Quantization { default, per_module })
-    }
-
-    fn for_module(&self, module: &str) -> Option<&QuantSpec> {
-        self.per_module.get(module).or(self.default.as_ref())
-    }
-}
-
 /// The model's safetensors files, memory-mapped, and which file holds which tensor.
 pub(crate) struct TensorStore {
     maps: Vec<(PathBuf, Mmap)>,
@@ -306,49 +284,73 @@ impl Reader<'_> {
         Ok(())
     }
 
-    /// A projection: bf16, or MXFP8 (`mx.dequantize`, exact).
+    /// A projection: bf16, or any format MLX quantizes to ([`crate::quant`]).
     pub(crate) fn linear(&mut self, module: &str, out_dim: usize, in_dim: usize) -> Result<Linear> {
         let wname = format!("{module}.weight");
-        if self.store.get(&format!("{module}.bias"))?.is_some() {
+        if self.store.has(&format!("{module}.bias")) {
             return Err(CoreError::weights(format!("{module}.bias"), "biased projections are not supported"));
         }
         let scales_name = format!("{module}.scales");
-        let w = if self.store.get(&scales_name)?.is_some() {
-            let spec = self.quant.for_module(module).cloned().ok_or_else(|| {
-                CoreError::weights(&wname, "has scales but config.json has no quantization block")
-            })?;
-            if spec.mode != "mxfp8" || spec.bits != 8 || spec.group_size != 32 {
-                return Err(CoreError::weights(
-                    &wname,
-                    format!("quantization mode {} (bits {}, group {}) is not supported; supported: bf16 and mxfp8", spec.mode, spec.bits, spec.group_size),
-                ));
+        let biases_name = format!("{module}.biases");
+        let spec = self.quant.for_module(module).cloned();
+        let has_scales = self.store.has(&scales_name);
+        let Some(spec) = spec.filter(|_| has_scales) else {
+            if has_scales {
+                return Err(CoreError::weights(&wname, "has scales, but config.json's quantization block gives this module no format"));
             }
-            if self.store.get(&format!("{module}.biases"))?.is_some() {
-                return Err(CoreError::weights(format!("{module}.biases"), "mxfp8 weights carry no biases"));
-            }
-            let (wd, ws, wbytes) = self.tensor(&wname)?;
-            let (sd, ss, sbytes) = self.tensor(&scales_name)?;
-            if wd != Dtype::U32 {
-                return Err(CoreError::weights(&wname, format!("mxfp8 weight dtype {wd:?}, expected U32")));
-            }
-            if sd != Dtype::U8 {
-                return Err(CoreError::weights(&scales_name, format!("mxfp8 scales dtype {sd:?}, expected U8")));
-            }
-            if in_dim % 32 != 0 {
-                return Err(CoreError::weights(&wname, format!("input width {in_dim} is not a multiple of the group size 32")));
-            }
-            Self::expect_shape(&wname, &ws, &[out_dim, in_dim / 4])?;
-            Self::expect_shape(&scales_name, &ss, &[out_dim, in_dim / 32])?;
-            dequantize_mxfp8(&wbytes, &sbytes, out_dim, in_dim)
-        } else {
             let (dt, shape, bytes) = self.tensor(&wname)?;
             Self::expect_shape(&wname, &shape, &[out_dim, in_dim])?;
-            match dt {
+            let w = match dt {
                 Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-                other => return Err(CoreError::weights(&wname, format!("dtype {other:?} is not supported (bf16 or mxfp8)"))),
-            }
+                // A float16 or float32 projection makes MLX compute this layer's cache in that
+                // precision, which oMLX's bf16 blocks do not hold.
+                other => {
+                    return Err(CoreError::weights(
+                        &wname,
+                        format!("dtype {other:?}: the decoder would compute this cache in {other:?}; pd-bridge computes bf16 caches (convert with `mlx_lm.convert --dtype bfloat16`)"),
+                    ))
+                }
+            };
+            return Ok(Linear::dense(out_dim, in_dim, w));
         };
-        Ok(Linear { out_dim, in_dim, w })
+        let g = spec.group_size;
+        if in_dim % g != 0 {
+            return Err(CoreError::weights(&wname, format!("{spec}: input width {in_dim} is not a multiple of the group size {g}")));
+        }
+        let affine = spec.mode == QuantMode::Affine;
+        if !affine && self.store.has(&biases_name) {
+            return Err(CoreError::weights(&biases_name, format!("{spec} weights carry no biases")));
+        }
+        let (wd, ws, wbytes) = self.tensor(&wname)?;
+        let (sd, ss, sbytes) = self.tensor(&scales_name)?;
+        if wd != Dtype::U32 {
+            return Err(CoreError::weights(&wname, format!("{spec} weight dtype {wd:?}, expected U32")));
+        }
+        Self::expect_shape(&wname, &ws, &[out_dim, spec.packed_words(in_dim)]).map_err(|e| with_format(e, &spec))?;
+        Self::expect_shape(&scales_name, &ss, &[out_dim, in_dim / g]).map_err(|e| with_format(e, &spec))?;
+        let biases = if affine {
+            if sd != Dtype::BF16 {
+                return Err(CoreError::weights(
+                    &scales_name,
+                    format!("{spec} scales dtype {sd:?}: a model quantized from {sd:?} weights computes in {sd:?}; pd-bridge computes bf16 caches (quantize a bfloat16 model)"),
+                ));
+            }
+            let (bd, bs, bbytes) = self.tensor(&biases_name)?;
+            if bd != Dtype::BF16 {
+                return Err(CoreError::weights(&biases_name, format!("{spec} biases dtype {bd:?}, expected BF16 like the scales")));
+            }
+            Self::expect_shape(&biases_name, &bs, &[out_dim, in_dim / g])?;
+            Some(bbytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect::<Vec<_>>())
+        } else {
+            if sd != Dtype::U8 {
+                return Err(CoreError::weights(&scales_name, format!("{spec} scales dtype {sd:?}, expected U8")));
+            }
+            None
+        };
+        // The format decides how the stored bytes are read, so it is part of the fingerprint.
+        self.hasher.update(format!("{module}\0{spec}\0").as_bytes());
+        let (w, acc) = unpack(&spec, &wbytes, &sbytes, biases.as_deref(), out_dim, in_dim);
+        Ok(Linear { out_dim, in_dim, w, acc, format: spec.to_string() })
     }
 
     pub(crate) fn norm(&mut self, name: &str, dim: usize) -> Result<Vec<bf16>> {
@@ -383,58 +385,10 @@ impl Reader<'_> {
     }
 }
 
-/// OCP MX e4m3 element → f32 (no infinities; 0x7f/0xff are NaN).
-fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((b >> 3) & 0x0f) as i32;
-    let man = (b & 0x07) as f32;
-    if exp == 0x0f && (b & 0x07) == 0x07 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        sign * man / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
-    }
-}
-
-/// E8M0 shared scale → 2^(s-127); 0xff is NaN.
-fn e8m0_to_f32(s: u8) -> f32 {
-    if s == 0xff {
-        f32::NAN
-    } else {
-        f32::from_bits(if s == 0 { 0x0040_0000 } else { (s as u32) << 23 })
-    }
-}
-
-/// `mx.dequantize(w, scales, mode="mxfp8")`: element k of a row is byte k of the packed
-/// little-endian u32 words, scaled by its 32-element group's E8M0 scale.
-pub fn dequantize_mxfp8(packed: &[u8], scales: &[u8], out_dim: usize, in_dim: usize) -> Vec<f32> {
-    let groups = in_dim / 32;
-    let mut w = Vec::with_capacity(out_dim * in_dim);
-    for r in 0..out_dim {
-        for c in 0..in_dim {
-            let q = packed[r * in_dim + c];
-            w.push(e4m3_to_f32(q) * e8m0_to_f32(scales[r * groups + c / 32]));
-        }
-    }
-    w
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn e4m3_known_values() {
-        assert_eq!(e4m3_to_f32(0x00), 0.0);
-        assert_eq!(e4m3_to_f32(0x38), 1.0); // exp 7, man 0
-        assert_eq!(e4m3_to_f32(0x7e), 448.0); // max normal
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // min subnormal
-        assert_eq!(e4m3_to_f32(0xb8), -1.0);
-        assert!(e4m3_to_f32(0x7f).is_nan());
-        assert_eq!(e8m0_to_f32(127), 1.0);
-        assert_eq!(e8m0_to_f32(130), 8.0);
-        assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));
+/// A shape refusal that also names the format the shape was expected for.
+fn with_format(e: CoreError, spec: &crate::quant::QuantSpec) -> CoreError {
+    match e {
+        CoreError::Weights { tensor, reason } => CoreError::Weights { tensor, reason: format!("{reason} for {spec}") },
+        e => e,
     }
 }

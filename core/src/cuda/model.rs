@@ -91,8 +91,8 @@ impl LayerDev {
 }
 
 fn bf16_of(l: &Linear, out: &mut Vec<bf16>) {
-    // The weights are bf16 or dequantized MX values, all exact in bf16.
-    out.extend(l.w.iter().map(|&v| bf16::from_f32(v)));
+    // Dequantized once, here at upload: every format's values are exact in bf16.
+    out.extend(l.dequantized().iter().map(|&v| bf16::from_f32(v)));
 }
 
 /// The decoder's projection weights and norms, resident on one GPU.

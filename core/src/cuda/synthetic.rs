@@ -67,13 +67,7 @@ pub fn flash_plan() -> V4Plan {
 
 fn linear(rng: &mut Rng, out: usize, inp: usize) -> Linear {
     let scale = (inp as f32).powf(-0.5);
-    Linear {
-        out_dim: out,
-        in_dim: inp,
-        w: (0..out * inp)
-            .map(|_| bf16::from_f32(rng.normal() * scale).to_f32())
-            .collect(),
-    }
+    Linear::dense(out, inp, (0..out * inp).map(|_| bf16::from_f32(rng.normal() * scale).to_f32()).collect())
 }
 
 fn norm(rng: &mut Rng, d: usize) -> Vec<bf16> {

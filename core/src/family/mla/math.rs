@@ -64,7 +64,7 @@ impl MlaLayerState {
 
     pub(super) fn feed(&mut self, w: &MlaLayerWeights, start: usize, n: usize, x: &[bf16]) {
         let width = self.rank + self.rope_dim;
-        linear(x, n, self.hidden, &w.kv_a.w, width, &mut self.scratch);
+        linear(x, n, self.hidden, &w.kv_a.w, &w.kv_a.acc, width, &mut self.scratch);
         let mut latent = Vec::with_capacity(n * self.rank);
         let mut k_pe = Vec::with_capacity(n * self.rope_dim);
         for row in self.scratch.chunks_exact(width) {

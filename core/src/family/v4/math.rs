@@ -36,7 +36,7 @@ impl Window {
         // projection is row-independent, so skipping them changes nothing.
         let skip = n.saturating_sub(self.retain);
         let keep = n - skip;
-        linear(&x[skip * hidden..], keep, hidden, &w.wkv.w, self.head_dim, &mut self.scratch);
+        linear(&x[skip * hidden..], keep, hidden, &w.wkv.w, &w.wkv.acc, self.head_dim, &mut self.scratch);
         rms_norm_rows(&mut self.scratch, self.head_dim, &w.kv_norm, self.eps);
         self.rope.apply(&mut self.scratch, self.head_dim, start + skip);
         self.rows.extend_from_slice(&self.scratch);
@@ -112,8 +112,8 @@ impl Compressor {
         let od = self.out_dim;
         let mut kv = std::mem::take(&mut self.kv);
         let mut gate = std::mem::take(&mut self.gate);
-        linear(x, n, hidden, &w.wkv.w, od, &mut kv);
-        linear(x, n, hidden, &w.wgate.w, od, &mut gate);
+        linear(x, n, hidden, &w.wkv.w, &w.wkv.acc, od, &mut kv);
+        linear(x, n, hidden, &w.wgate.w, &w.wgate.acc, od, &mut gate);
         let mut pooled_new: Vec<bf16> = Vec::new();
         let mut first_base = None;
         for i in 0..n {

@@ -80,7 +80,7 @@ impl Window {
         // row-independent, so skipping them changes nothing.
         let skip = n.saturating_sub(self.size);
         let hd = self.head_dim;
-        linear(&x[skip * hidden..], n - skip, hidden, &w.kv_proj.w, hd, &mut self.scratch);
+        linear(&x[skip * hidden..], n - skip, hidden, &w.kv_proj.w, &w.kv_proj.acc, hd, &mut self.scratch);
         rms_norm_rows(&mut self.scratch, hd, &w.kv_norm, self.eps);
         let rd = 2 * self.inv_freqs.len();
         for (i, row) in self.scratch.chunks_exact_mut(hd).enumerate() {
