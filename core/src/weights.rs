@@ -91,6 +91,9 @@ pub struct DecoderWeights {
     pub layers: Vec<LayerWeights>,
     /// `sha256:<hex>` over the plan and every tensor read, as stored.
     pub fingerprint: String,
+    /// Every projection the cache math reads, with how the model stores it (`bf16`, `mxfp4`,
+    /// `affine 4-bit g64`, …), in reading order.
+    pub formats: Vec<(String, String)>,
 }
 
 impl DecoderWeights {
@@ -136,7 +139,7 @@ impl DecoderWeights {
         let cfg: Value = serde_json::from_str(&cfg_text).map_err(|e| CoreError::config("config.json", e.to_string()))?;
         let quant = Quantization::from_config(&cfg)?;
         let store = TensorStore::open(dir)?;
-        let mut reader = Reader { store: &store, quant: &quant, hasher: Sha256::new(), record };
+        let mut reader = Reader { store: &store, quant: &quant, hasher: Sha256::new(), record, formats: Vec::new() };
         reader.hasher.update(b"pd-bridge weights v1\0");
         reader.hasher.update(serde_json::to_vec(&plan).expect("plan serializes"));
 
@@ -195,7 +198,7 @@ impl DecoderWeights {
         let digest = reader.hasher.finalize();
         let fingerprint = format!("sha256:{}", digest.iter().map(|b| format!("{b:02x}")).collect::<String>());
         tracing::debug!(dir = %dir.display(), %fingerprint, "decoder weights loaded");
-        Ok(DecoderWeights { plan, layers, fingerprint })
+        Ok(DecoderWeights { plan, layers, fingerprint, formats: reader.formats })
     }
 }
 
@@ -261,6 +264,8 @@ pub(crate) struct Reader<'a> {
     pub(crate) quant: &'a Quantization,
     pub(crate) hasher: Sha256,
     pub(crate) record: Option<&'a mut Vec<RecordedTensor>>,
+    /// (module, format) of every projection read.
+    pub(crate) formats: Vec<(String, String)>,
 }
 
 impl Reader<'_> {
@@ -311,6 +316,7 @@ impl Reader<'_> {
                     ))
                 }
             };
+            self.formats.push((module.to_string(), "bf16".into()));
             return Ok(Linear::dense(out_dim, in_dim, w));
         };
         let g = spec.group_size;
@@ -350,6 +356,7 @@ impl Reader<'_> {
         // The format decides how the stored bytes are read, so it is part of the fingerprint.
         self.hasher.update(format!("{module}\0{spec}\0").as_bytes());
         let (w, acc) = unpack(&spec, &wbytes, &sbytes, biases.as_deref(), out_dim, in_dim);
+        self.formats.push((module.to_string(), spec.to_string()));
         Ok(Linear { out_dim, in_dim, w, acc, format: spec.to_string() })
     }
 

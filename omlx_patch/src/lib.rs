@@ -52,6 +52,13 @@ impl Weights {
         guard(|| Ok(self.inner.plan.family()))
     }
 
+    /// `[(module, format)]`: every projection the cache math reads and how the model stores it
+    /// (`bf16`, `affine 4-bit g64`, `mxfp4`, `mxfp8`, `nvfp4`).
+    #[getter]
+    fn formats(&self) -> PyResult<Vec<(String, String)>> {
+        guard(|| Ok(self.inner.formats.clone()))
+    }
+
     #[getter]
     fn num_layers(&self) -> PyResult<usize> {
         guard(|| Ok(self.inner.plan.num_layers()))

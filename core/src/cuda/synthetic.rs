@@ -106,5 +106,6 @@ pub fn v4_weights(plan: V4Plan, seed: u64) -> Arc<DecoderWeights> {
         plan: ModelPlan::DeepseekV4(plan),
         layers,
         fingerprint: format!("synthetic:{seed}"),
+        formats: Vec::new(),
     })
 }

@@ -64,6 +64,10 @@ class Weights:
     def num_layers(self) -> int: ...
     @property
     def hidden_size(self) -> int: ...
+    @property
+    def formats(self) -> list[tuple[str, str]]:
+        """Every projection the cache math reads, with how the model stores it: ``bf16``,
+        ``affine 4-bit g64`` (bits 2-8, groups 32/64/128), ``mxfp4``, ``mxfp8`` or ``nvfp4``."""
 
 class CacheBuilder:
     """Per-layer decoder cache state for one request, fed chunks of attention input."""

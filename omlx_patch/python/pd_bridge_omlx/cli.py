@@ -31,17 +31,28 @@ TESTED_VLLM = ("0.26.0", "0.27.1", "0.29.0", "0.31.0", "0.32.0")
 
 
 def _export(args) -> int:
-    from ._native import PdBridgeError, export_weights
+    from ._native import PdBridgeError, Weights, export_weights
 
     try:
         fp = export_weights(args.model_dir, args.out_dir)
+        formats = Weights.load(args.out_dir).formats
     except (PdBridgeError, OSError) as e:
         print(f"pd-bridge export-weights: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_dir} (attention-cache weights of {args.model_dir})")
     print(f"fingerprint {fp}")
+    print(f"formats {format_summary(formats)}")
     print("on the prefill host: set PD_BRIDGE_VLLM_WEIGHTS to this directory (or kv_connector_extra_config.weights)")
     return 0
+
+
+def format_summary(formats: list[tuple[str, str]]) -> str:
+    """``affine 4-bit g64 x12, bf16 x3 (kv_a_proj_with_mqa)``: how many of the cache's projections
+    are stored each way, and which projections (by their last name) those are."""
+    by: dict[str, list[str]] = {}
+    for module, fmt in formats:
+        by.setdefault(fmt, []).append(module.rsplit(".", 1)[-1] if ".compressor." not in module else "compressor." + module.rsplit(".", 1)[-1])
+    return ", ".join(f"{fmt} x{len(mods)} ({', '.join(sorted(set(mods)))})" for fmt, mods in sorted(by.items(), key=lambda kv: -len(kv[1])))
 
 
 class _Doctor:
@@ -165,7 +176,15 @@ def _doctor_links(d: _Doctor, cfg, host, args) -> None:
     try:
         weights = Weights.load(model_dir)
         d.ok("decoder weights", f"{weights.family}, {weights.num_layers} layers, {weights.fingerprint}")
-    except Exception as e:
+        d.ok("decoder weight formats", format_summary(weights.formats))
+    except PdBridgeError as e:
+        # A model in a format the core does not compute (a float16 model, a foreign quantization)
+        # needs another conversion, not another directory.
+        fix = ("convert the model again with mlx-lm from its bf16 checkpoint (`mlx_lm.convert --dtype bfloat16 -q ...`) or with oMLX's oQ; "
+               "every format mlx-lm and oQ write (affine 2-8 bits, mxfp4, mxfp8, nvfp4) is supported") if type(e).__name__ in ("WeightsError", "ConfigError") else "point --model-dir at the MLX model directory oMLX loads"
+        d.fail("decoder weights", str(e), fix)
+        return
+    except OSError as e:
         d.fail("decoder weights", str(e), "point --model-dir at the MLX model directory oMLX loads")
         return
 

@@ -63,7 +63,7 @@ impl V41Weights {
         let cfg: Value = serde_json::from_str(&cfg_text).map_err(|e| CoreError::config("config.json", e.to_string()))?;
         let quant = Quantization::from_config(&cfg)?;
         let store = TensorStore::open(dir)?;
-        let mut r = Reader { store: &store, quant: &quant, hasher: Sha256::new(), record: None };
+        let mut r = Reader { store: &store, quant: &quant, hasher: Sha256::new(), record: None, formats: Vec::new() };
         r.hasher.update(b"pd-bridge weights deepseek_v41 v1\0");
         r.hasher.update(serde_json::to_vec(&plan).expect("plan serializes"));
         let (hidden, head, ihead) = (plan.hidden_size, plan.head_dim, plan.index_head_dim);
