@@ -15,6 +15,7 @@
 pub mod backend;
 pub mod block;
 pub mod capture;
+pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

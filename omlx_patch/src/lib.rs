@@ -387,6 +387,25 @@ fn export_weights(py: Python<'_>, model_dir: std::path::PathBuf, out_dir: std::p
     guard(|| py.detach(|| DecoderWeights::export(&model_dir, &out_dir)).map_err(to_py))
 }
 
+/// Write the MLX model in `model_dir` as a bf16 Hugging Face checkpoint the GPU host's vLLM loads
+/// (the decoder's own weights, dequantized); returns `(model_fingerprint, [(module, format)] of
+/// the dequantized modules, tensors written)`.
+#[pyfunction]
+fn export_checkpoint(py: Python<'_>, model_dir: std::path::PathBuf, out_dir: std::path::PathBuf) -> PyResult<(String, Vec<(String, String)>, usize)> {
+    guard(|| {
+        py.detach(|| pd_bridge_core::checkpoint::export_checkpoint(&model_dir, &out_dir))
+            .map(|e| (e.model_fingerprint, e.dequantized, e.tensors))
+            .map_err(to_py)
+    })
+}
+
+/// A model directory's identity (`pd_bridge_core::checkpoint::model_fingerprint`): an exported
+/// checkpoint reports its source's.
+#[pyfunction]
+fn model_fingerprint(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
+    guard(|| py.detach(|| pd_bridge_core::checkpoint::model_fingerprint(&model_dir)).map_err(to_py))
+}
+
 /// A fresh per-request capture secret (64 hex digits): sent to vLLM in `pd_capture.secret` and
 /// given to `ingest`; only its holder can pull the capture.
 #[pyfunction]
@@ -479,7 +498,7 @@ fn ingest(
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{capture_secret, carry_state, clean_stale_temps, expected_block_size, export_weights, ingest, inspect_block, omlx_formats, IngestControl, LandedBlock, BlockRejected, BlockWriter, CacheBuilder, Weights};
+    use super::{capture_secret, carry_state, clean_stale_temps, expected_block_size, export_checkpoint, export_weights, ingest, model_fingerprint, inspect_block, omlx_formats, IngestControl, LandedBlock, BlockRejected, BlockWriter, CacheBuilder, Weights};
 
     #[pymodule_export]
     use super::v41::{V41CacheBuilder, V41Weights};

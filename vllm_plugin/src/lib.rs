@@ -27,6 +27,13 @@ fn weights_fingerprint(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResul
     guard(|| py.detach(|| DecoderWeights::load(&model_dir)).map(|w| w.fingerprint).map_err(to_py))
 }
 
+/// The identity of the checkpoint vLLM serves (`pd_bridge_core::checkpoint::model_fingerprint`):
+/// one written by `pd-bridge export-checkpoint` reports the decoder model's.
+#[pyfunction]
+fn model_fingerprint(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
+    guard(|| py.detach(|| pd_bridge_core::checkpoint::model_fingerprint(&model_dir)).map_err(to_py))
+}
+
 /// The decoder's attention-cache weights (as exported from the decode host) and fingerprint.
 #[pyclass(frozen, module = "pd_bridge_vllm._native")]
 struct Weights {
@@ -505,7 +512,7 @@ fn gpu_capture_times(py: Python<'_>, reset: bool) -> PyResult<Py<pyo3::types::Py
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{compile_kernels, cuda_report, gpu_capture_times, prepare_gpu, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
+    use super::{compile_kernels, cuda_report, gpu_capture_times, model_fingerprint, prepare_gpu, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

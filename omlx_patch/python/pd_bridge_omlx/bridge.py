@@ -305,6 +305,10 @@ class Bridge:
         self._weights: dict[str, Weights] = {}  # loaded with the fingerprint: carry states need them
         self._fingerprint_loads: dict[str, concurrent.futures.Future] = {}
         self._fingerprint_lock = threading.Lock()
+        # The decoder model's identity (checkpoint.rs' model_fingerprint) and formats, per model
+        # dir, read with the weights; and what the last capture said of the prefill host's model.
+        self._models: dict[str, dict] = {}
+        self._last_weights: dict = {}
 
     @property
     def version(self) -> versions.OmlxVersion:
@@ -344,6 +348,9 @@ class Bridge:
             # What the decision reads (PD_BRIDGE_DECIDE=rates): measured rates and break-evens.
             "decide": c.decide,
             "rates": self.rates.snapshot(),
+            # Which weights the bridge computes with on each side: the decoder model's identity
+            # and formats, and what the last capture's prefill host said of its own.
+            "model": {**next(iter(self._models.values()), {"fingerprint": None, "formats": None}), **self._last_weights},
         }
 
     def _host_loads(self) -> list[int]:
@@ -406,12 +413,34 @@ class Bridge:
                 w = Weights.load(weights_dir)
                 self._weights[weights_dir] = w
                 got = w.fingerprint
+                self._models[weights_dir] = self._model_identity(weights_dir, w)
             except Exception as e:
                 got = e
             self._fingerprints[weights_dir] = got
         if isinstance(got, Exception):
             raise got
         return got
+
+    @staticmethod
+    def _model_identity(model_dir: str, w: Weights) -> dict:
+        from ._native import model_fingerprint
+        from .cli import format_summary
+
+        try:
+            fp = model_fingerprint(model_dir)
+        except Exception as e:  # noqa: BLE001 - an unreadable identity leaves "same or different" unknown
+            logger.warning("pd-bridge: the model fingerprint of %s cannot be read (%s)", model_dir, e)
+            fp = None
+        return {"fingerprint": fp, "formats": format_summary(w.formats)}
+
+    def weights_relation(self, model_dir: str | None, prefill_model: object) -> str:
+        """``same``: the prefill host serves the decoder's own weights (the same checkpoint, or
+        one ``pd-bridge export-checkpoint`` wrote from it); ``different``: another checkpoint;
+        ``unknown``: either side could not say."""
+        mine = self._models.get(model_dir or "", {}).get("fingerprint")
+        if not isinstance(prefill_model, str) or not mine:
+            return "unknown"
+        return "same" if prefill_model == mine else "different"
 
     @staticmethod
     def _cached_blocks(pcm, ssd, ids: list[int], nblocks: int, block_size: int) -> int:
@@ -717,6 +746,7 @@ class Bridge:
         blocks = len(registered)
         new_blocks = nblocks - first
         vllm_cached = None
+        weights = "unknown"
         if not http.done() and seal is not None and seal.get("verdict") == "complete":
             # vLLM answers right after the step that sealed the capture; its answer says how much
             # of the prompt it took from its own cache. Waited for briefly, never for long.
@@ -727,7 +757,11 @@ class Bridge:
             got = params.get("pd_capture") if isinstance(params, dict) else None
             if isinstance(got, dict) and isinstance(got.get("prompt_cached_tokens"), int):
                 vllm_cached = got["prompt_cached_tokens"]
-        extra = {"resumed_at": resumed_at, "not_resumed": not_resumed, "vllm_cached": vllm_cached}
+            if isinstance(got, dict):
+                prefill_model = got.get("model_fingerprint")
+                weights = self.weights_relation(model_dir, prefill_model)
+                self._last_weights = {"weights": weights, "prefill_fingerprint": prefill_model if isinstance(prefill_model, str) else None}
+        extra = {"resumed_at": resumed_at, "not_resumed": not_resumed, "vllm_cached": vllm_cached, "weights": weights}
         if seal is not None and seal.get("verdict") == "complete" and blocks == new_blocks and not problems:
             v = Verdict("complete", blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size, request_id=request_id, phases=phases, **extra)
         else:
@@ -780,7 +814,7 @@ class Bridge:
             return Verdict("declined", reason, of_blocks=verdict.of_blocks, request_id=verdict.request_id, phases=verdict.phases)
         return Verdict("partial", f"{reason}; {verdict.reason}".rstrip("; "), blocks=used, of_blocks=verdict.of_blocks,
                        tokens=verdict.resumed_at + used * per_block, request_id=verdict.request_id, phases=verdict.phases, ready_unix=verdict.ready_unix,
-                       resumed_at=verdict.resumed_at, not_resumed=verdict.not_resumed, vllm_cached=verdict.vllm_cached, failed_over=verdict.failed_over)  # fmt: skip
+                       resumed_at=verdict.resumed_at, not_resumed=verdict.not_resumed, vllm_cached=verdict.vllm_cached, failed_over=verdict.failed_over, weights=verdict.weights)  # fmt: skip
 
 
 _bridge: Bridge | None = None

@@ -5,6 +5,13 @@
         and their fingerprint into OUT_DIR; copy OUT_DIR to the prefill host and point
         PD_BRIDGE_VLLM_WEIGHTS (or kv_connector_extra_config.weights) at it.
 
+    pd-bridge export-checkpoint MODEL_DIR OUT_DIR
+        Write the MLX model oMLX serves as a bf16 Hugging Face checkpoint the prefill host's vLLM
+        loads: the decoder's own weights, quantized modules dequantized exactly. vLLM then
+        computes the attention inputs with the weights the Mac decodes with ("same weights"),
+        which keeps the bridged cache within the fidelity bound whatever the Mac's format.
+        DeepSeek-V3-style MLA models.
+
     pd-bridge doctor [--model-dir MODEL_DIR] [--omlx-url URL]
         Check every link: versions, environment, the prefill host's health, the segment
         server's reachability and shared token, the weights fingerprint, and a tiny round trip
@@ -53,6 +60,21 @@ def format_summary(formats: list[tuple[str, str]]) -> str:
     for module, fmt in formats:
         by.setdefault(fmt, []).append(module.rsplit(".", 1)[-1] if ".compressor." not in module else "compressor." + module.rsplit(".", 1)[-1])
     return ", ".join(f"{fmt} x{len(mods)} ({', '.join(sorted(set(mods)))})" for fmt, mods in sorted(by.items(), key=lambda kv: -len(kv[1])))
+
+
+def _export_checkpoint(args) -> int:
+    from ._native import PdBridgeError, export_checkpoint
+
+    try:
+        fp, dequantized, tensors = export_checkpoint(args.model_dir, args.out_dir)
+    except (PdBridgeError, OSError) as e:
+        print(f"pd-bridge export-checkpoint: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out_dir}: {tensors} bf16 tensors, the weights of {args.model_dir}")
+    print(f"model fingerprint {fp}")
+    print(f"dequantized {format_summary(dequantized) if dequantized else 'nothing (the model is not quantized)'}")
+    print(f"on the prefill host: serve it with vLLM (`vllm serve {args.out_dir} ...`); the bridge then runs the decoder's own weights on both hosts")
+    return 0
 
 
 class _Doctor:
@@ -249,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("model_dir", help="the MLX model directory oMLX serves")
     e.add_argument("out_dir", help="where to write them (copy it to the prefill host)")
     e.set_defaults(func=_export)
+    c = sub.add_parser("export-checkpoint", help="write the decoder's own weights as a bf16 checkpoint for the prefill host's vLLM")
+    c.add_argument("model_dir", help="the MLX model directory oMLX serves")
+    c.add_argument("out_dir", help="where to write the checkpoint (must not exist)")
+    c.set_defaults(func=_export_checkpoint)
     dr = sub.add_parser("doctor", help="check every link and say what to fix")
     dr.add_argument("--model-dir", help="the MLX model directory oMLX serves (enables the fingerprint check and round trip)")
     dr.add_argument("--block-size", type=int, default=256, help="oMLX's cache block size for this model (default 256)")

@@ -5,7 +5,10 @@ took them as a prefix hit. A warm prompt resumed at the block boundary ``S`` its
 at says ``complete; blocks=B; tokens=N; resumed_at=S`` (B: the new blocks, N: the whole prefix
 oMLX now holds, S included); a warm prompt whose resume failed and was bridged from token 0 adds
 ``not_resumed="..."``; ``vllm_cached=C`` is what vLLM took from its own prefix cache (it computed
-the rest), said when the capture resumed or C > 0. ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
+the rest), said when the capture resumed or C > 0; ``weights=different`` where the prefill host
+runs another checkpoint than the decoder (a bf16 or FP8 model beside a 4-bit Mac conversion: the
+cache is the decoder's projections of that model's hidden states; ``pd-bridge
+export-checkpoint`` gives the GPU host the decoder's own weights). ``partial B/T; reason="..."`` — only B of T blocks. ``declined;
 reason="..."`` — a bridge was tried and nothing was used. ``native; reason="..."`` — no bridge
 was tried. The kind is the first word, so a client can switch on it.
 
@@ -51,6 +54,8 @@ class Verdict:
     vllm_cached: int | None = None
     #: Several prefill hosts: why the ones tried before this verdict's host were passed over.
     failed_over: str = ""
+    #: ``same`` / ``different`` / ``unknown``: whether the prefill host runs the decoder's weights.
+    weights: str = "unknown"
 
     def _extra(self) -> str:
         out = f"; resumed_at={self.resumed_at}" if self.resumed_at else ""
@@ -62,6 +67,9 @@ class Verdict:
         # restart) or any hit; a cold capture with none keeps the plain header.
         if self.vllm_cached is not None and (self.vllm_cached or self.resumed_at):
             out += f"; vllm_cached={self.vllm_cached}"
+        # Said only when it is so: the same weights are the plain, expected case.
+        if self.weights == "different":
+            out += "; weights=different"
         return out
 
     def header(self) -> str:

@@ -23,6 +23,7 @@ from ._native import (  # noqa: F401
     Weights,
     WeightsError,
     WireError,
+    model_fingerprint,
     prompt_digest,
     weights_fingerprint,
 )

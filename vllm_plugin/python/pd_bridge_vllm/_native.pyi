@@ -39,6 +39,12 @@ class InternalError(PdBridgeError):
     """A bug in pd-bridge (a Rust panic), caught at the boundary: the engine keeps running. Never
     pyo3's ``PanicException`` (a ``BaseException``)."""
 
+def model_fingerprint(model_dir: str | PathLike[str]) -> str:
+    """The identity of the checkpoint in ``model_dir`` (its tensors' names, dtypes, shapes and
+    first 4 KiB); a checkpoint written by ``pd-bridge export-checkpoint`` reports the decoder
+    model's. The decode host compares it with its own model's to say *same* or *different*
+    weights."""
+
 def weights_fingerprint(model_dir: str | PathLike[str]) -> str:
     """Read the decoder's attention-cache weights from ``model_dir`` and return their
     fingerprint (``sha256:<hex>``), the value the decode host compares before it trusts a

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,22 @@ class PdBridgeConnectorScheduler:
         self.stages = pipeline_stage(vllm_config)[1]
         # Captures this rank will not make, and why (said in the request's kv_transfer_params).
         self.refused: dict[str, tuple[str, str]] = {}
+        # The identity of the checkpoint vLLM serves, said at every capture's finish so the
+        # decode host can tell same weights from different ones. Read off the engine's start
+        # (one page per tensor); None until then, or where the model is no local directory.
+        self.model_fingerprint: str | None = None
+        model_dir = getattr(getattr(vllm_config, "model_config", None), "model", None)
+        if isinstance(model_dir, str) and os.path.isdir(model_dir):
+            threading.Thread(target=self._read_model_fingerprint, args=(model_dir,), name="pd-bridge-model-fingerprint", daemon=True).start()
+
+    def _read_model_fingerprint(self, model_dir: str) -> None:
+        from .. import model_fingerprint
+
+        try:
+            self.model_fingerprint = model_fingerprint(model_dir)
+            logger.info("pd-bridge: serving %s, model fingerprint %s", model_dir, self.model_fingerprint)
+        except Exception as e:  # noqa: BLE001 - a checkpoint it cannot read only leaves the identity unknown
+            logger.warning("pd-bridge: the model fingerprint of %s cannot be read (%s); the decode host will say the weights are unknown", model_dir, e)
 
     def on_new_request(self, request: Request) -> None:
         try:
@@ -161,4 +179,5 @@ class PdBridgeConnectorScheduler:
         # prompt_cached_tokens: what vLLM took from its own prefix cache (it computed the rest);
         # the decode host puts it in the verdict.
         return False, {PARAM_KEY: {"request_id": st.spec.request_id, "prompt_scheduled": st.last_scheduled,
-                                   "prompt_cached_tokens": st.first_start, "resumed_at": st.spec.resume_at}}  # fmt: skip
+                                   "prompt_cached_tokens": st.first_start, "resumed_at": st.spec.resume_at,
+                                   "model_fingerprint": self.model_fingerprint}}  # fmt: skip
