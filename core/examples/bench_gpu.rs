@@ -342,4 +342,40 @@ fn main() {
             }
         }
     }
+    // PD_BRIDGE_BENCH_QUANT=1: the same model with its projections stored quantized (mlx-lm's
+    // default affine 4-bit g64, and mxfp4), dequantized once at upload: kernels only, tensor-core
+    // GEMMs, interleaved with bf16, medians; and the upload (dequantize + copy) time.
+    if std::env::var("PD_BRIDGE_BENCH_QUANT").is_ok_and(|v| v == "1") {
+        let reps: usize = env("PD_BRIDGE_BENCH_REPS", "5").parse().unwrap();
+        let base = synthetic::v4_weights(synthetic::flash_plan(), 1);
+        let mut models = vec![("bf16".to_string(), m.clone(), 0.0)];
+        for (mode, bits, group) in [("affine", 4, 64), ("mxfp4", 4, 32)] {
+            let q = synthetic::quantized(&base, mode, bits, group, 3);
+            let t = Instant::now();
+            let gm = Arc::new(GpuModel::new(q, 0).unwrap());
+            models.push((format!("{mode} {bits}-bit g{group}"), gm, t.elapsed().as_secs_f64()));
+        }
+        println!();
+        println!("| chunk | format | kernels only, tensor cores (median of {reps}) | vs bf16 | kernels, exact GEMM | model upload |");
+        println!("|---:|---|---:|---:|---:|---:|");
+        for &c in &chunks {
+            let mut tok: Vec<Vec<f64>> = vec![vec![]; models.len()];
+            for _ in 0..reps.max(1) {
+                for (i, (_, gm, _)) in models.iter().enumerate() {
+                    tok[i].push(tokens as f64 / run(gm, &x, tokens, c, step, GemmMode::TensorCore, false));
+                }
+            }
+            let med: Vec<f64> = tok.into_iter().map(|v| {
+                let mut v = v;
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            }).collect();
+            for (i, (name, gm, up)) in models.iter().enumerate() {
+                let exact_tokens = tokens.min(4096);
+                let exact = exact_tokens as f64 / run(gm, &x, exact_tokens, c, step, GemmMode::Exact, false);
+                let upload = if i == 0 { "(above)".to_string() } else { format!("{up:.1}s") };
+                println!("| {c} | {name} | {:.0} tok/s | {:.1}% | {exact:.0} tok/s | {upload} |", med[i], 100.0 * med[i] / med[0]);
+            }
+        }
+    }
 }

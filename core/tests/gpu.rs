@@ -188,6 +188,39 @@ fn tiny_layers_match_cpu() {
     }
 }
 
+/// The tiny layer sets with their projections quantized in every MLX mode: the exact GEMM path
+/// (`gemm_exact_quant` over the dequantized GEMM) is bit-exact to the CPU's `quantized_matmul`
+/// arithmetic for every chunking; the tensor-core path (one GEMM over the weights dequantized at
+/// upload) is reported.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a CUDA GPU")]
+fn quantized_layers_match_cpu() {
+    #[cfg(feature = "cuda")]
+    {
+        if !device() {
+            return;
+        }
+        for (mode, bits, group) in [("affine", 4, 32), ("affine", 3, 32), ("affine", 6, 32), ("affine", 8, 32), ("mxfp4", 4, 32), ("mxfp8", 8, 32), ("nvfp4", 4, 16)] {
+            for (name, base) in [("v4", common::v4_model_dir(21)), ("mla", common::mla_model_dir(22))] {
+                let dir = common::quantized_model_dir(&base, mode, bits, group, 23);
+                let w = Arc::new(DecoderWeights::load(&dir).unwrap());
+                assert!(w.formats.iter().all(|(_, f)| f != "bf16"), "{:?}", w.formats);
+                let m = Arc::new(GpuModel::new(w.clone(), 0).unwrap());
+                let (step, tokens) = (16usize, 700usize);
+                let x = inputs(&w, tokens, 31);
+                let cpu = cpu_states(&w, step, &x, &[tokens]);
+                for chunks in [vec![tokens], vec![1, 2, 3, 250, tokens - 256]] {
+                    let gpu = gpu_states(&m, step, GemmMode::Exact, &x, &chunks);
+                    let d = compare(&cpu, &gpu);
+                    assert_eq!(d.identical, d.values, "{name} {mode} {bits}-bit g{group} chunks {chunks:?}: exact GEMM path differs: {d:?}");
+                }
+                let gpu = gpu_states(&m, step, GemmMode::TensorCore, &x, &[tokens]);
+                eprintln!("tiny {name} {mode} {bits}-bit g{group}: exact GEMM bit-exact; tensor-core GEMM {}", compare(&cpu, &gpu).text());
+            }
+        }
+    }
+}
+
 /// DeepSeek-V4-Flash-sized (43 layers, hidden 4096, head 512, index head 128) random weights.
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a CUDA GPU")]

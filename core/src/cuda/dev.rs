@@ -34,7 +34,7 @@ pub(crate) fn ck(what: &str, r: sys::CUresult) -> Result<()> {
 }
 
 const SRC: &str = include_str!("kernels.cu");
-const KERNELS: [&str; 6] = ["gemm_exact", "norm_rope", "pool_overlap", "pool_simple", "gather_rows", "copy_rows"];
+const KERNELS: [&str; 7] = ["gemm_exact", "gemm_exact_quant", "norm_rope", "pool_overlap", "pool_simple", "gather_rows", "copy_rows"];
 
 /// Whether a CUDA driver with at least one device can be loaded here.
 pub fn cuda_available() -> bool {

@@ -127,6 +127,38 @@ extern "C" __global__ void __launch_bounds__(256) gemm_exact(const bf16* __restr
     }
 }
 
+// numerics::linear's quantized sums, exactly (MLX's CPU quantized_matmul): for every output
+// column c whose rule is not 0, overwrite what gemm_exact wrote. rule 1 (affine): a bf16 running
+// sum of bf16 products of x and the element; rule g > 1 (mxfp4/mxfp8/nvfp4, group g): per group
+// such a sum, then sum = bf16(sum + bf16(scale * group_sum)). E holds each column's elements as
+// the kernel forms them; scales[soff[c] + k/g] the column's group scales. Each product of two bf16
+// values is exact in f32, so only the explicit roundings happen, in index order.
+extern "C" __global__ void __launch_bounds__(256) gemm_exact_quant(const bf16* __restrict__ X, const bf16* __restrict__ E, const int* __restrict__ rule,
+                                                                  const float* __restrict__ scales, const long long* __restrict__ soff, bf16* __restrict__ Y,
+                                                                  int M, int N, int K, long long ldx, long long ldy) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= N) return;
+    int g = rule[c];
+    if (g == 0) return;
+    const bf16* e = E + (long long)c * K;
+    // Rows in a grid-stride loop: a chunk may hold more rows than a grid's y extent.
+    for (int r = blockIdx.y; r < M; r += gridDim.y) {
+        const bf16* x = X + (long long)r * ldx;
+        float sum = 0.0f;
+        if (g == 1) {
+            for (int k = 0; k < K; k++) sum = rndf(sum + rndf(widen(x[k]) * widen(e[k])));
+        } else {
+            const float* sc = scales + soff[c];
+            for (int k0 = 0; k0 < K; k0 += g) {
+                float gs = 0.0f;
+                for (int k = k0; k < k0 + g; k++) gs = rndf(gs + rndf(widen(x[k]) * widen(e[k])));
+                sum = rndf(sum + rndf(sc[k0 / g] * gs));
+            }
+        }
+        Y[(long long)r * ldy + c] = rnd(sum);
+    }
+}
+
 // One row per block: optional `mscale` multiply (MLA k_pe), optional rms_norm
 // (numerics::rms_norm_rows), then Rope::apply on the trailing 2*rope_pairs features at position
 // pos0 + row (the leading features get MLX's angle-0 rotation). rope_pairs == 0: no rotation.

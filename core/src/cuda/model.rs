@@ -57,11 +57,65 @@ pub(crate) struct CompDev {
     pub rope: RopeDev,
 }
 
+/// A layer's quantized projections as MLX's CPU kernel multiplies by them, for the exact GEMM
+/// (`gemm_exact_quant`): every column's elements (`[ntot, hidden]` bf16), its rule (0: a bf16
+/// weight, 1: affine, g > 1: an FP format's group) and group scales (f32, at `soff[column]`).
+/// Uploaded only for a layer with a quantized projection: as much memory again as its weights.
+pub(crate) struct QuantDev {
+    pub elems: DevBuf,
+    pub rule: DevBuf,
+    pub scales: DevBuf,
+    pub soff: DevBuf,
+}
+
+#[derive(Default)]
+struct QuantCols {
+    elems: Vec<bf16>,
+    rule: Vec<i32>,
+    scales: Vec<f32>,
+    soff: Vec<i64>,
+    any: bool,
+}
+
+impl QuantCols {
+    fn add(&mut self, l: &Linear) {
+        use crate::quant::Accumulate;
+        self.elems.extend(l.w.iter().map(|&v| bf16::from_f32(v)));
+        let base = self.scales.len();
+        let (rule, groups) = match &l.acc {
+            Accumulate::F32 => (0, 0),
+            Accumulate::Bf16 => (1, 0),
+            Accumulate::Bf16Groups { group, scales } => {
+                self.scales.extend_from_slice(scales);
+                (*group as i32, l.in_dim / group)
+            }
+        };
+        self.any |= rule != 0;
+        for r in 0..l.out_dim {
+            self.rule.push(rule);
+            self.soff.push((base + r * groups) as i64);
+        }
+    }
+
+    fn upload(self, s: sys::CUstream) -> Result<Option<QuantDev>> {
+        if !self.any {
+            return Ok(None);
+        }
+        Ok(Some(QuantDev {
+            elems: DevBuf::upload(&self.elems, s)?,
+            rule: DevBuf::upload(&self.rule, s)?,
+            scales: DevBuf::upload(&self.scales, s)?,
+            soff: DevBuf::upload(&self.soff, s)?,
+        }))
+    }
+}
+
 /// One layer's resident weights: its projection matrix (every projection of the layer, `ntot`
-/// outputs) and what the kernels after it read.
+/// outputs, dequantized) and what the kernels after it read.
 pub(crate) enum LayerDev {
     V4 {
         w: DevBuf,
+        quant: Option<QuantDev>,
         ntot: usize,
         hd: usize,
         size: usize,
@@ -72,6 +126,7 @@ pub(crate) enum LayerDev {
     },
     Mla {
         w: DevBuf,
+        quant: Option<QuantDev>,
         ntot: usize,
         rank: usize,
         rope_dim: usize,
@@ -86,6 +141,12 @@ impl LayerDev {
     pub fn w(&self) -> (&DevBuf, usize) {
         match self {
             LayerDev::V4 { w, ntot, .. } | LayerDev::Mla { w, ntot, .. } => (w, *ntot),
+        }
+    }
+
+    pub fn quant(&self) -> Option<&QuantDev> {
+        match self {
+            LayerDev::V4 { quant, .. } | LayerDev::Mla { quant, .. } => quant.as_ref(),
         }
     }
 }
@@ -151,17 +212,22 @@ impl GpuModel {
                         ratio.max(1),
                     );
                     let mut w = Vec::new();
+                    let mut q = QuantCols::default();
                     bf16_of(&lw.wkv, &mut w);
+                    q.add(&lw.wkv);
                     let mut col = p.head_dim;
                     let mut comps = Vec::new();
                     let add = |cw: &CompressorWeights,
                                hd: usize,
                                w: &mut Vec<bf16>,
+                               q: &mut QuantCols,
                                col: &mut usize|
                      -> Result<CompDev> {
                         let od = cw.wkv.out_dim;
                         bf16_of(&cw.wkv, w);
                         bf16_of(&cw.wgate, w);
+                        q.add(&cw.wkv);
+                        q.add(&cw.wgate);
                         let c = CompDev {
                             col: *col,
                             ratio,
@@ -175,14 +241,15 @@ impl GpuModel {
                         Ok(c)
                     };
                     if let Some(cw) = &lw.compressor {
-                        comps.push(add(cw, p.head_dim, &mut w, &mut col)?);
+                        comps.push(add(cw, p.head_dim, &mut w, &mut q, &mut col)?);
                     }
                     if let Some(cw) = &lw.indexer {
-                        comps.push(add(cw, p.index_head_dim, &mut w, &mut col)?);
+                        comps.push(add(cw, p.index_head_dim, &mut w, &mut q, &mut col)?);
                     }
                     layers.push(LayerDev::V4 {
                         ntot: col,
                         w: DevBuf::upload(&w, s)?,
+                        quant: q.upload(s)?,
                         hd: p.head_dim,
                         size: p.sliding_window,
                         eps: p.rms_norm_eps,
@@ -208,10 +275,13 @@ impl GpuModel {
                         unreachable!("weights follow the plan")
                     };
                     let mut w = Vec::new();
+                    let mut q = QuantCols::default();
                     bf16_of(&lw.kv_a, &mut w);
+                    q.add(&lw.kv_a);
                     layers.push(LayerDev::Mla {
                         ntot: p.kv_lora_rank + p.rope_head_dim,
                         w: DevBuf::upload(&w, s)?,
+                        quant: q.upload(s)?,
                         rank: p.kv_lora_rank,
                         rope_dim: p.rope_head_dim,
                         eps: p.latent_norm_eps,

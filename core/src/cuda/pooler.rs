@@ -433,6 +433,23 @@ impl GpuCache {
         self.y[slot].reserve(rows * ntot * BF)?;
         let y = self.y[slot].ptr;
         self.gemm(x, y, rows, w.ptr, ntot, hidden)?;
+        if let (GemmMode::Exact, Some(q)) = (self.mode, model.layers[layer].quant()) {
+            // Quantized projections: MLX's CPU kernel sums in bf16, which the exact GEMM's f32
+            // sums (over the dequantized weights) do not; those columns are computed again.
+            let mut a = Args::new()
+                .p(x)
+                .p(q.elems.ptr)
+                .p(q.rule.ptr)
+                .p(q.scales.ptr)
+                .p(q.soff.ptr)
+                .p(y)
+                .p(rows as i32)
+                .p(ntot as i32)
+                .p(hidden as i32)
+                .p(hidden as i64)
+                .p(ntot as i64);
+            model.dev.launch("gemm_exact_quant", (ntot.div_ceil(256) as u32, rows.min(65535) as u32, 1), 256, self.stream.handle(), &mut a.ptrs())?;
+        }
         let end = start + rows;
         if self.gemm_only {
             self.layers[layer].processed = end;

@@ -109,3 +109,44 @@ pub fn v4_weights(plan: V4Plan, seed: u64) -> Arc<DecoderWeights> {
         formats: Vec::new(),
     })
 }
+
+/// `w` with every projection stored quantized (random codes and scales of plausible size): MLX's
+/// `affine` at `bits`/`group`, or `mxfp4` (`bits` 4, group 32). For benchmarks of the quantized
+/// formats beside bf16.
+pub fn quantized(w: &DecoderWeights, mode: &str, bits: usize, group: usize, seed: u64) -> Arc<DecoderWeights> {
+    use crate::quant::Accumulate;
+    const FP4: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+    let mut rng = Rng::new(seed);
+    let mut q = |l: &Linear| -> Linear {
+        let groups = l.in_dim / group;
+        let s = (l.in_dim as f32).powf(-0.5);
+        if mode == "affine" {
+            let levels = (1u64 << bits) as f32;
+            let w = (0..l.out_dim * l.in_dim)
+                .map(|_| {
+                    let (sc, b) = (bf16::from_f32(2.0 * s / levels), bf16::from_f32(-s));
+                    let code = (rng.next_u64() % (1 << bits)) as f32;
+                    bf16::from_f32(bf16::from_f32(sc.to_f32() * code).to_f32() + b.to_f32()).to_f32()
+                })
+                .collect();
+            Linear { out_dim: l.out_dim, in_dim: l.in_dim, w, acc: Accumulate::Bf16, format: format!("affine {bits}-bit g{group}") }
+        } else {
+            let w = (0..l.out_dim * l.in_dim).map(|_| FP4[(rng.next_u64() % 16) as usize]).collect();
+            let scales = (0..l.out_dim * groups).map(|_| 2f32.powi(-((rng.next_u64() % 3) as i32) - 3)).collect();
+            Linear { out_dim: l.out_dim, in_dim: l.in_dim, w, acc: Accumulate::Bf16Groups { group, scales }, format: "mxfp4".into() }
+        }
+    };
+    let layers = w
+        .layers
+        .iter()
+        .map(|l| match l {
+            LayerWeights::V4(v) => {
+                let mut comp = |c: &Option<CompressorWeights>| c.as_ref().map(|c| CompressorWeights { wkv: q(&c.wkv), wgate: q(&c.wgate), ape: c.ape.clone(), norm: c.norm.clone() });
+                let (compressor, indexer) = (comp(&v.compressor), comp(&v.indexer));
+                LayerWeights::V4(V4LayerWeights { wkv: q(&v.wkv), kv_norm: v.kv_norm.clone(), compressor, indexer })
+            }
+            LayerWeights::Mla(m) => LayerWeights::Mla(crate::weights::MlaLayerWeights { kv_a: q(&m.kv_a), kv_a_norm: m.kv_a_norm.clone() }),
+        })
+        .collect();
+    Arc::new(DecoderWeights { plan: w.plan.clone(), layers, fingerprint: format!("{}:{mode}{bits}g{group}", w.fingerprint), formats: Vec::new() })
+}

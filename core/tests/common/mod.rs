@@ -178,3 +178,43 @@ pub fn pull(
     };
     pd_bridge_core::ingest::ingest(&p, writer, control, on_block)
 }
+
+/// `base` (a model directory written above) with every projection replaced by random quantized
+/// weights in MLX's `mode` (`affine`, `mxfp4`, `mxfp8`, `nvfp4`) at `bits` and `group`, and
+/// config.json's quantization block saying so: any packed bytes and scales are valid weights.
+pub fn quantized_model_dir(base: &Path, mode: &str, bits: usize, group: usize, seed: u64) -> PathBuf {
+    let dir = temp_dir(&format!("q-{mode}-{bits}-{group}"));
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    cfg["quantization"] = serde_json::json!({"mode": mode, "bits": bits, "group_size": group});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let bytes = std::fs::read(base.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut t = BTreeMap::new();
+    for (name, v) in st.tensors() {
+        let shape = v.shape().to_vec();
+        let module = name.strip_suffix(".weight");
+        match module {
+            Some(m) if shape.len() == 2 && shape[1] % group == 0 => {
+                let (out, inp) = (shape[0], shape[1]);
+                let packed: Vec<u8> = (0..out * inp * bits / 8).map(|_| rng.next_u64() as u8).collect();
+                t.insert(name.clone(), (Dtype::U32, vec![out, inp * bits / 32], packed));
+                let groups = inp / group;
+                if mode == "affine" {
+                    let s = (inp as f32).powf(-0.5) / (1 << bits) as f32;
+                    t.insert(format!("{m}.scales"), (Dtype::BF16, vec![out, groups], bf16_bytes((0..out * groups).map(|_| s * (1.0 + 0.5 * rng.normal())))));
+                    t.insert(format!("{m}.biases"), (Dtype::BF16, vec![out, groups], bf16_bytes((0..out * groups).map(|_| -s * (1 << (bits - 1)) as f32 * (1.0 + 0.1 * rng.normal())))));
+                } else {
+                    // E8M0 exponents near 2^-6, or E4M3 scales between 2^-6 and 2^-3.
+                    let scale = |rng: &mut Rng| if mode == "nvfp4" { 0x18 + rng.below(24) as u8 } else { 118 + rng.below(6) as u8 };
+                    t.insert(format!("{m}.scales"), (Dtype::U8, vec![out, groups], (0..out * groups).map(|_| scale(&mut rng)).collect()));
+                }
+            }
+            _ => {
+                t.insert(name.clone(), (v.dtype(), shape, v.data().to_vec()));
+            }
+        }
+    }
+    Tensors(t).write(&dir.join("model.safetensors"));
+    dir
+}
