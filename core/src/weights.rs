@@ -335,11 +335,15 @@ impl Reader<'_> {
         Self::expect_shape(&wname, &ws, &[out_dim, spec.packed_words(in_dim)]).map_err(|e| with_format(e, &spec))?;
         Self::expect_shape(&scales_name, &ss, &[out_dim, in_dim / g]).map_err(|e| with_format(e, &spec))?;
         let biases = if affine {
-            if sd != Dtype::BF16 {
-                return Err(CoreError::weights(
-                    &scales_name,
-                    format!("{spec} scales dtype {sd:?}: a model quantized from {sd:?} weights computes in {sd:?}; pd-bridge computes bf16 caches (quantize a bfloat16 model)"),
-                ));
+            match sd {
+                Dtype::BF16 => {}
+                Dtype::F16 | Dtype::F32 => {
+                    return Err(CoreError::weights(
+                        &scales_name,
+                        format!("{spec} scales dtype {sd:?}: a model quantized from {sd:?} weights computes in {sd:?}; pd-bridge computes bf16 caches (quantize from the bf16 checkpoint: `mlx_lm.convert --dtype bfloat16 -q`)"),
+                    ))
+                }
+                other => return Err(CoreError::weights(&scales_name, format!("{spec} scales dtype {other:?}, expected BF16"))),
             }
             let (bd, bs, bbytes) = self.tensor(&biases_name)?;
             if bd != Dtype::BF16 {

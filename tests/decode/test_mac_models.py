@@ -159,3 +159,47 @@ def test_a_format_mlx_does_not_write_is_refused_by_name(mac_model, tmp_path, ent
         Weights.load(str(d))
     msg = str(e.value)
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa" in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("fmt", ["affine-4-g64", "nvfp4"])
+def test_export_checkpoint_is_the_mac_models_weights(mac_model, fmt, tmp_path):
+    """The checkpoint for the GPU host holds exactly ``mx.dequantize`` of every quantized module
+    under Hugging Face's names; MLX loading it back (its sanitize splits kv_b_proj again) has the
+    Mac model's weights, dequantized, value for value; it reports the Mac model's identity until
+    it is edited."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import tiny_models
+    from pd_bridge_omlx._native import export_checkpoint, model_fingerprint
+
+    d = mac_model("mla", fmt)
+    fp, dequantized, tensors = export_checkpoint(str(d), str(tmp_path / "ck"))
+    assert fp == model_fingerprint(str(d)) == model_fingerprint(str(tmp_path / "ck"))
+    assert dequantized and tensors > 0
+    hf = mx.load(str(tmp_path / "ck" / "model.safetensors"))
+    assert any(k.endswith("kv_b_proj.weight") for k in hf) and not any(k.endswith((".scales", ".biases", "embed_q.weight")) for k in hf)
+    mac = dict(tree_flatten(tiny_models.load(d).parameters()))
+    back = dict(tree_flatten(tiny_models.load(tmp_path / "ck").parameters()))
+    checked = 0
+    for name, w in back.items():
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.scales" in mac:
+            q = mac[f"{module}.weight"], mac[f"{module}.scales"], mac.get(f"{module}.biases")
+            ref = mx.dequantize(*q, group_size=16 if fmt == "nvfp4" else 64, bits=4, mode="nvfp4" if fmt == "nvfp4" else "affine")
+            checked += 1
+        else:
+            ref = mac[name]
+        assert ref.dtype == w.dtype and mx.array_equal(ref, w).item(), name
+    assert checked >= 10
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    cfg["pd_bridge_source"]["checkpoint_digest"] = "sha256:" + "0" * 64  # as if edited
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    assert model_fingerprint(str(tmp_path / "ck")) != fp
+
+
+def test_export_checkpoint_refuses_deepseek_v4(models, tmp_path):
+    from pd_bridge_omlx._native import export_checkpoint
+
+    with pytest.raises(ConfigError, match="deepseek_v4"):
+        export_checkpoint(str(models / "tiny-v4-bf16"), str(tmp_path / "ck"))

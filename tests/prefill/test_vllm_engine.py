@@ -176,12 +176,16 @@ def test_plugin_tap_and_connector_load_in_the_engine(run):
     assert "NOT installed" not in log
 
 
-def test_long_prompt_capture_seals_complete(run):
+def test_long_prompt_capture_seals_complete(run, model):
     out = run["outputs"]["cap-a"]
     assert out["prompt_len"] == PROMPT_LEN and len(out["tokens"]) == 1
     v = verdicts(run, "cap-a")
     assert v == [{"verdict": "complete", "blocks": PROMPT_LEN // BLOCK, "tokens": PROMPT_LEN // BLOCK * BLOCK}], v
-    assert out["kv_transfer_params"] == {"pd_capture": {"request_id": "cap-a", "prompt_scheduled": True, "prompt_cached_tokens": 0, "resumed_at": 0}}
+    # The finish also says which checkpoint vLLM serves (the decode host compares it with its own).
+    from pd_bridge_vllm import model_fingerprint
+
+    assert out["kv_transfer_params"] == {"pd_capture": {"request_id": "cap-a", "prompt_scheduled": True, "prompt_cached_tokens": 0, "resumed_at": 0,
+                                                        "model_fingerprint": model_fingerprint(str(model[0]))}}  # fmt: skip
 
 
 def test_every_layer_fed_every_prompt_token_once(run):
@@ -384,7 +388,7 @@ def test_chunked_prompt_seals_once_after_its_last_chunk(model, monkeypatch):
     v = json.loads(sealed_wc["r1"].sealed)
     assert v == {"verdict": "complete", "blocks": n // BLOCK, "tokens": n // BLOCK * BLOCK}
     # request_finished after a completed prefill announces no abort
-    assert sched.request_finished(_Req("r1", n, None), []) == (False, {"pd_capture": {"request_id": "chunked", "prompt_scheduled": True, "prompt_cached_tokens": 0, "resumed_at": 0}})
+    assert sched.request_finished(_Req("r1", n, None), []) == (False, {"pd_capture": {"request_id": "chunked", "prompt_scheduled": True, "prompt_cached_tokens": 0, "resumed_at": 0, "model_fingerprint": None}})
     assert sched.build_connector_meta(_sched_out()).aborts == {}
 
     # the same inputs one-shot through a fresh capture (and, if the decode side is here, the same blocks)
