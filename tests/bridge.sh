@@ -432,7 +432,7 @@ case "${1:-}" in
     start_run
     setup
     log "the bridge end to end: vLLM (CPU) prefills, oMLX decodes, on loopback"
-    PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python "$STATE/venv-decode/bin/python" tests/bridge_demo.py "$STATE/demo" "${2:-4000}"
+    PD_BRIDGE_PREFILL_PYTHON=$STATE/venv-prefill/bin/python "$STATE/venv-decode/bin/python" tests/bridge_demo.py "$STATE/demo" "${2:-4000}" ${3:+"$3"} ${4:+"$4"}
     ;;
   setup)
     start_run

@@ -72,6 +72,36 @@ def build_model(work: Path, seed: int = 0, name: str = "tiny-mla") -> Model:
     return Model(hf_dir, root, dst, weights, fingerprint)
 
 
+@dataclass
+class MacModel:
+    """A quantized Mac model beside the bf16 ``base`` (``mac_model``)."""
+
+    model: Model  # what the engines run: vLLM ``model.hf_dir``, oMLX ``model.omlx_dir``
+    checkpoint: Path  # ``pd-bridge export-checkpoint`` of the Mac model: its weights, dequantized
+    fmt: str
+    route: str  # "same": vLLM runs ``checkpoint``; "different": vLLM runs the bf16 base
+
+
+def mac_model(base: Model, work: Path, fmt: str, route: str = "same") -> MacModel:
+    """``base``'s MLX copy quantized as users do (``tests/mac_models.py``: mlx-lm's convert or
+    oQ), its cache weights exported for the prefill host, and its checkpoint exported for vLLM;
+    vLLM then runs that checkpoint (``route="same"``) or the bf16 base (``"different"``)."""
+    import mac_models
+
+    if route not in ("same", "different"):
+        raise ValueError(f"route {route!r}: same or different")
+    root = work / f"mac-models-{fmt}"
+    d = mac_models.make(base.omlx_dir, root / base.omlx_dir.name, fmt)
+    weights = work / f"mac-decoder-weights-{fmt}"
+    res = subprocess.run([*_pd_bridge_cli(), "export-weights", str(d), str(weights)], check=True, capture_output=True, text=True)
+    fp = res.stdout.split("fingerprint ")[1].split()[0]
+    ck = work / f"mac-checkpoint-{fmt}"
+    if not ck.exists():
+        subprocess.run([*_pd_bridge_cli(), "export-checkpoint", str(d), str(ck)], check=True, capture_output=True, text=True)
+    hf = ck if route == "same" else base.hf_dir
+    return MacModel(Model(hf, root, d, weights, fp), ck, fmt, route)
+
+
 def omlx_model_from_hf(hf_dir: Path, dst: Path) -> Path:
     """The same checkpoint as an oMLX model dir: MLX's config names for the rope settings and the
     locally trained tokenizer."""

@@ -89,6 +89,27 @@ fn own_digest(dir: &Path) -> Result<String> {
     Ok(format!("sha256:{}", hex(&h.finalize())))
 }
 
+/// The file `pd-bridge export-weights` writes beside the cache weights: the decoder model's
+/// [`model_fingerprint`] and each cache projection's format.
+pub const DECODER_MODEL_FILE: &str = "pd-bridge-model.json";
+
+pub(crate) fn record_decoder_model(weights_dir: &Path, fingerprint: &str, formats: &[(String, String)]) -> Result<()> {
+    write_json(&weights_dir.join(DECODER_MODEL_FILE), &serde_json::json!({"model_fingerprint": fingerprint, "formats": formats}))
+}
+
+/// What an exported weights directory says of the decoder model it came from: its fingerprint,
+/// or None for an export that predates the record.
+pub fn decoder_model_of(weights_dir: &Path) -> Result<Option<String>> {
+    let p = weights_dir.join(DECODER_MODEL_FILE);
+    let text = match std::fs::read_to_string(&p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(CoreError::io(&p, e)),
+    };
+    let v: Value = serde_json::from_str(&text).map_err(|e| CoreError::config(DECODER_MODEL_FILE, e.to_string()))?;
+    Ok(v.get("model_fingerprint").and_then(Value::as_str).map(str::to_string))
+}
+
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -128,6 +128,9 @@ impl DecoderWeights {
         }
         let fp_path = dst.join("pd-bridge-fingerprint.txt");
         std::fs::write(&fp_path, format!("{}\n", weights.fingerprint)).map_err(|e| CoreError::io(&fp_path, e))?;
+        // Which model these weights come from, for the prefill host's doctor to compare with the
+        // checkpoint vLLM serves (same weights or different).
+        crate::checkpoint::record_decoder_model(dst, &crate::checkpoint::model_fingerprint(src)?, &weights.formats)?;
         Ok(weights.fingerprint)
     }
 

@@ -203,3 +203,22 @@ def test_export_checkpoint_refuses_deepseek_v4(models, tmp_path):
 
     with pytest.raises(ConfigError, match="deepseek_v4"):
         export_checkpoint(str(models / "tiny-v4-bf16"), str(tmp_path / "ck"))
+
+
+def test_both_doctors_name_the_formats_and_the_route(mac_model, models, tmp_path, capsys):
+    """The GPU host's doctor prints the cache projections' formats and says whether the checkpoint
+    vLLM serves is the Mac model's (its export-checkpoint) or another one (the bf16 source)."""
+    from pd_bridge_omlx._native import export_checkpoint
+
+    from pd_bridge_vllm.doctor import check_weights
+
+    d = mac_model("mla", "affine-4-g64")
+    w = tmp_path / "w"
+    export_weights(str(d), str(w))
+    export_checkpoint(str(d), str(tmp_path / "ck"))
+    assert check_weights(str(w), str(tmp_path / "ck"))
+    same = capsys.readouterr().out
+    assert "decoder weight formats: affine 4-bit g64 x3" in same and "same weights" in same, same
+    assert check_weights(str(w), str(models / "tiny-mla"))
+    other = capsys.readouterr().out
+    assert "different weights" in other and "pd-bridge export-checkpoint" in other, other

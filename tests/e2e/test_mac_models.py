@@ -19,7 +19,6 @@ against it is printed beside, not bounded (docs/design.md, "Quantized projection
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import e2e_stack as E  # noqa: E402
 import engines  # noqa: E402
-import mac_models  # noqa: E402
 import omlx_server as O  # noqa: E402
 from pd_bridge_omlx._native import Weights  # noqa: E402
 
@@ -55,22 +53,12 @@ def base(work):
 
 @pytest.fixture(scope="module")
 def made(base, work):
-    """Per format: the Mac's conversion (mlx-lm's or oQ), its exported cache weights and its
-    exported checkpoint."""
     cache = {}
 
-    def get(fmt: str):
-        if fmt not in cache:
-            root = work / f"mac-models-{fmt}"
-            d = mac_models.make(base.omlx_dir, root / "tiny-mla", fmt)
-            weights = work / f"mac-decoder-weights-{fmt}"
-            res = subprocess.run([*E._pd_bridge_cli(), "export-weights", str(d), str(weights)], check=True, capture_output=True, text=True)
-            fp = res.stdout.split("fingerprint ")[1].split()[0]
-            ck = work / f"mac-checkpoint-{fmt}"
-            res = subprocess.run([*E._pd_bridge_cli(), "export-checkpoint", str(d), str(ck)], check=True, capture_output=True, text=True)
-            assert "dequantized" in res.stdout and "nothing" not in res.stdout, res.stdout
-            cache[fmt] = (d, weights, fp, ck, root)
-        return cache[fmt]
+    def get(fmt: str, route: str) -> E.MacModel:
+        if (fmt, route) not in cache:
+            cache[fmt, route] = E.mac_model(base, work, fmt, route)
+        return cache[fmt, route]
 
     return get
 
@@ -86,9 +74,9 @@ def run_bridged(model: E.Model, work: Path, seed: int):
 def test_same_weights_route_meets_the_absolute_bound(base, made, work):
     import fidelity as F
 
-    d, weights, fp, ck, root = made(FORMAT)
-    model = E.Model(hf_dir=ck, omlx_root=root, omlx_dir=d, weights_dir=weights, fingerprint=fp)
-    verdict, ids, paths, status = run_bridged(model, work, seed=21)
+    mac = made(FORMAT, "same")
+    d, ck = mac.model.omlx_dir, mac.checkpoint
+    verdict, ids, paths, status = run_bridged(mac.model, work, seed=21)
     assert verdict == "complete; blocks=7; tokens=1792", verdict
     report = F.measure(ck, ids, 256, paths, with_controls=False)
     cpu = F.measure(d, ids, 256, paths, with_controls=False)
@@ -102,9 +90,9 @@ def test_same_weights_route_meets_the_absolute_bound(base, made, work):
 def test_different_weights_route_reports_the_relative_measure(base, made, work, fmt):
     import fidelity as F
 
-    d, weights, fp, ck, root = made(fmt)
-    model = E.Model(hf_dir=base.hf_dir, omlx_root=root, omlx_dir=d, weights_dir=weights, fingerprint=fp)
-    verdict, ids, paths, status = run_bridged(model, work, seed=22)
+    mac = made(fmt, "different")
+    d, ck = mac.model.omlx_dir, mac.checkpoint
+    verdict, ids, paths, status = run_bridged(mac.model, work, seed=22)
     assert verdict == "complete; blocks=7; tokens=1792; weights=different", verdict
     rel = F.relative(ck, base.omlx_dir, ids, 256, paths)
     cpu = F.relative(d, base.omlx_dir, ids, 256, paths)

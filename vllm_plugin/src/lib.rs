@@ -34,6 +34,13 @@ fn model_fingerprint(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<
     guard(|| py.detach(|| pd_bridge_core::checkpoint::model_fingerprint(&model_dir)).map_err(to_py))
 }
 
+/// The decoder model's fingerprint as `pd-bridge export-weights` recorded it in `weights_dir`
+/// (None for an older export): what the served checkpoint's must equal for "same weights".
+#[pyfunction]
+fn decoder_model_fingerprint(py: Python<'_>, weights_dir: std::path::PathBuf) -> PyResult<Option<String>> {
+    guard(|| py.detach(|| pd_bridge_core::checkpoint::decoder_model_of(&weights_dir)).map_err(to_py))
+}
+
 /// The decoder's attention-cache weights (as exported from the decode host) and fingerprint.
 #[pyclass(frozen, module = "pd_bridge_vllm._native")]
 struct Weights {
@@ -53,6 +60,12 @@ impl Weights {
     #[getter]
     fn fingerprint(&self) -> PyResult<String> {
         guard(|| Ok(self.inner.fingerprint.clone()))
+    }
+
+    /// `[(module, format)]`: each cache projection and how the decoder model stores it.
+    #[getter]
+    fn formats(&self) -> PyResult<Vec<(String, String)>> {
+        guard(|| Ok(self.inner.formats.clone()))
     }
 
     #[getter]
@@ -512,7 +525,7 @@ fn gpu_capture_times(py: Python<'_>, reset: bool) -> PyResult<Py<pyo3::types::Py
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{compile_kernels, cuda_report, gpu_capture_times, model_fingerprint, prepare_gpu, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
+    use super::{compile_kernels, cuda_report, decoder_model_fingerprint, gpu_capture_times, model_fingerprint, prepare_gpu, prompt_digest, weights_fingerprint, Capture, SegmentServer, Weights};
 
     /// The shared exception classes (PdBridgeError, ConfigError, WeightsError, InputError,
     /// WireError, AuthError, InternalError) and the tracing -> logging bridge.

@@ -45,6 +45,10 @@ def model_fingerprint(model_dir: str | PathLike[str]) -> str:
     model's. The decode host compares it with its own model's to say *same* or *different*
     weights."""
 
+def decoder_model_fingerprint(weights_dir: str | PathLike[str]) -> str | None:
+    """The decoder model's fingerprint as ``pd-bridge export-weights`` recorded it beside the
+    weights (None for an export that predates the record)."""
+
 def weights_fingerprint(model_dir: str | PathLike[str]) -> str:
     """Read the decoder's attention-cache weights from ``model_dir`` and return their
     fingerprint (``sha256:<hex>``), the value the decode host compares before it trusts a
@@ -63,6 +67,10 @@ class Weights:
     def num_layers(self) -> int: ...
     @property
     def hidden_size(self) -> int: ...
+    @property
+    def formats(self) -> list[tuple[str, str]]:
+        """Each cache projection and how the decoder model stores it (``bf16``, ``affine 4-bit
+        g64``, ``mxfp4``, ``mxfp8``, ``nvfp4``)."""
 
 class SegmentServer:
     """Serves captured segments, encrypted, to decode hosts that prove a capture's key (the

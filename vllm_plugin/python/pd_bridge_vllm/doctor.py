@@ -62,16 +62,42 @@ def check_cuda() -> bool:
     return ok
 
 
-def check_weights(weights: str | None) -> bool:
+def check_weights(weights: str | None, model: str | None = None) -> bool:
     if not weights:
         return _line(None, "decoder weights", "give --weights DIR (or PD_BRIDGE_VLLM_WEIGHTS): the directory `pd-bridge export-weights` wrote on the Mac")
     from . import _native
 
     try:
-        fp = _native.weights_fingerprint(weights)
+        w = _native.Weights.load(weights)
     except Exception as e:
         return _line(False, "decoder weights", f"{weights}: {e}")
-    return _line(True, "decoder weights", f"{weights}: fingerprint {fp} (the Mac's `pd-bridge doctor` must print the same)")
+    ok = _line(True, "decoder weights", f"{weights}: fingerprint {w.fingerprint} (the Mac's `pd-bridge doctor` must print the same)")
+    formats: dict[str, int] = {}
+    for _, f in w.formats:
+        formats[f] = formats.get(f, 0) + 1
+    ok &= _line(True, "decoder weight formats", ", ".join(f"{f} x{n}" for f, n in formats.items()))
+    return ok & check_route(weights, model)
+
+
+def check_route(weights: str, model: str | None) -> bool:
+    """Same weights or different: the checkpoint vLLM serves against the Mac model the weights
+    were exported from."""
+    from . import _native
+
+    if not model:
+        return _line(None, "weights route", "give --model DIR (the checkpoint vLLM serves) to say whether it runs the Mac model's own weights")
+    try:
+        mine, theirs = _native.model_fingerprint(model), _native.decoder_model_fingerprint(weights)
+    except Exception as e:
+        return _line(False, "weights route", f"{model}: {e}")
+    if theirs is None:
+        return _line(None, "weights route", f"{weights} predates the record of its model; export it again on the Mac to compare")
+    if mine == theirs:
+        return _line(True, "weights route", f"same weights: {model} is the Mac model's checkpoint ({mine}); the bridged cache is the decoder's own")
+    # Not a failure: the common case, said plainly with the way to the other.
+    return _line(True, "weights route", f"different weights: {model} ({mine}) is not the Mac model ({theirs}); the bridge computes the Mac model's "
+                 "projections of this model's hidden states (verdicts say weights=different). For the decoder's own weights, run "
+                 "`pd-bridge export-checkpoint MODEL_DIR OUT` on the Mac and serve OUT here")
 
 
 def check_port(address: str, port: int | None) -> bool:
@@ -95,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this GPU host: vLLM, CUDA, NVRTC, weights, segment port")
     d.add_argument("--weights", default=os.environ.get("PD_BRIDGE_VLLM_WEIGHTS"))
+    d.add_argument("--model", help="the checkpoint directory vLLM serves: says whether it holds the Mac model's own weights")
     d.add_argument("--port", type=int, default=int(os.environ["PD_BRIDGE_VLLM_PORT"]) if os.environ.get("PD_BRIDGE_VLLM_PORT") else None)
     d.add_argument("--address", default=os.environ.get("PD_BRIDGE_VLLM_ADDRESS", "127.0.0.1"))
     d.add_argument("--no-vllm", action="store_true", help="skip the vLLM check (a host without vLLM yet)")
@@ -102,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     ok &= check_vllm() if not a.no_vllm else _line(None, "vLLM", "skipped (--no-vllm)")
     ok &= check_cuda()
-    ok &= check_weights(a.weights)
+    ok &= check_weights(a.weights, a.model)
     ok &= check_port(a.address, a.port)
     print("OK: this host can prefill for a Mac" if ok else "NOT READY: fix the FAIL lines above")
     return 0 if ok else 1
