@@ -253,6 +253,16 @@ def export_weights(model_dir: str | PathLike[str], out_dir: str | PathLike[str])
     """Write the attention-cache tensors of the MLX model in ``model_dir`` (and its config.json)
     into ``out_dir`` for the prefill host; returns their fingerprint."""
 
+def export_checkpoint(model_dir: str | PathLike[str], out_dir: str | PathLike[str]) -> tuple[str, list[tuple[str, str]], int]:
+    """Write the MLX model in ``model_dir`` as a bf16 Hugging Face checkpoint vLLM loads (quantized
+    modules dequantized exactly, mlx-lm's renames undone, its provenance recorded); returns the
+    model fingerprint, the dequantized ``(module, format)`` pairs and the tensor count. MLA
+    models; raises ConfigError for another family, WeightsError or OSError."""
+
+def model_fingerprint(model_dir: str | PathLike[str]) -> str:
+    """The identity of the checkpoint in ``model_dir`` (its tensors' names, dtypes, shapes and
+    first 4 KiB); one written by ``export_checkpoint`` reports its source's."""
+
 def capture_secret() -> str:
     """A fresh per-request capture secret (64 hex digits): sent to vLLM in ``pd_capture.secret``
     and given to ``ingest``; only its holder can pull the capture."""

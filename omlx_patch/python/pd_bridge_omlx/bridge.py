@@ -424,7 +424,7 @@ class Bridge:
     @staticmethod
     def _model_identity(model_dir: str, w: Weights) -> dict:
         from ._native import model_fingerprint
-        from .cli import format_summary
+        from .formats import format_summary
 
         try:
             fp = model_fingerprint(model_dir)

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .formats import format_summary
+
 # The vLLM releases pd-bridge-vllm's table marks tested (vllm_plugin/python/pd_bridge_vllm/
 # versions.py). Others are accepted there when their hook points conform, which only the prefill
 # host can check (its connector at start, `pd-bridge-vllm doctor`): the Mac does not have vLLM.
@@ -51,15 +53,6 @@ def _export(args) -> int:
     print(f"formats {format_summary(formats)}")
     print("on the prefill host: set PD_BRIDGE_VLLM_WEIGHTS to this directory (or kv_connector_extra_config.weights)")
     return 0
-
-
-def format_summary(formats: list[tuple[str, str]]) -> str:
-    """``affine 4-bit g64 x12, bf16 x3 (kv_a_proj_with_mqa)``: how many of the cache's projections
-    are stored each way, and which projections (by their last name) those are."""
-    by: dict[str, list[str]] = {}
-    for module, fmt in formats:
-        by.setdefault(fmt, []).append(module.rsplit(".", 1)[-1] if ".compressor." not in module else "compressor." + module.rsplit(".", 1)[-1])
-    return ", ".join(f"{fmt} x{len(mods)} ({', '.join(sorted(set(mods)))})" for fmt, mods in sorted(by.items(), key=lambda kv: -len(kv[1])))
 
 
 def _export_checkpoint(args) -> int:
