@@ -222,3 +222,28 @@ def test_both_doctors_name_the_formats_and_the_route(mac_model, models, tmp_path
     assert check_weights(str(w), str(models / "tiny-mla"))
     other = capsys.readouterr().out
     assert "different weights" in other and "pd-bridge export-checkpoint" in other, other
+
+
+def test_a_sharded_checkpoint_reads_as_one(mac_model, tmp_path):
+    """mlx-lm shards big models (``model-0000N-of-0000M.safetensors`` and an index): the same
+    tensors in two shards give the same weights, formats and fingerprints."""
+    import shutil
+
+    import mlx.core as mx
+
+    from pd_bridge_omlx._native import export_checkpoint, model_fingerprint
+
+    d = mac_model("mla", "affine-4-g64")
+    s = tmp_path / "sharded"
+    shutil.copytree(d, s, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = mx.load(str(d / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for f, part in halves.items():
+        mx.save_safetensors(str(s / f), {k: tensors[k] for k in part}, metadata={"format": "mlx"})
+    (s / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, part in halves.items() for k in part}}))
+    a, b = Weights.load(str(d)), Weights.load(str(s))
+    assert (a.fingerprint, a.formats) == (b.fingerprint, b.formats)
+    assert model_fingerprint(str(d)) == model_fingerprint(str(s))
+    export_checkpoint(str(s), str(tmp_path / "ck"))
+    assert sorted(p.name for p in (tmp_path / "ck").glob("*.safetensors")) == sorted(halves)
