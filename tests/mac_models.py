@@ -14,6 +14,7 @@ and protections, its quantizer and its writer are the ones users run. oQ on the 
 lose their MXFP4 entries), so oQ is used on the MLA model only.
 
     python tests/mac_models.py SRC_MODEL_DIR OUT_ROOT FORMAT...
+    python tests/mac_models.py parity MODELS_DIR OUT_ROOT    # the parity table of BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -82,7 +83,34 @@ def make(src: Path, out: Path, fmt: str) -> Path:
     return out
 
 
+V4_FORMATS = ["affine-4-g64", "mixed_3_6", "mxfp4", "nvfp4"]
+
+
+def parity_table(models: Path, root: Path, tokens: int = 700, step: int = 256) -> None:
+    """Each format made from the tiny models, compared with MLX's own forward (tests/parity.py)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    import parity
+    from pd_bridge_omlx._native import Weights
+
+    print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, oMLX format {parity.omlx_format()}; {tokens}-token prompt, {step}-token steps, then re-chunked")
+    print("| model | made by | format of the cache projections | arrays bit-exact | elements identical | worst |")
+    print("|---|---|---|---|---|---|")
+    for fam, fmts in (("mla", FORMATS), ("v4", V4_FORMATS)):
+        for f in fmts:
+            d = make(models / ("tiny-mla" if fam == "mla" else "tiny-v4-bf16"), root / f"{fam}-{f}", f)
+            kinds = sorted({x for _, x in Weights.load(str(d)).formats})
+            t = (parity.run_mla if fam == "mla" else parity.run_v4)(d, n_tokens=tokens, step=step).tally
+            by = "oMLX oQ" if f in OQ else "mlx_lm.convert"
+            print(f"| {'MLA' if fam == 'mla' else 'DeepSeek-V4'} | {by} `{f}` | {', '.join(kinds)} | {t.arrays_identical}/{t.arrays} | "
+                  f"{t.elements_identical}/{t.elements} | {t.worst_ulp} ulp |", flush=True)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "parity":
+        parity_table(Path(sys.argv[2]), Path(sys.argv[3]))
+        sys.exit(0)
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     for f in sys.argv[3:]:

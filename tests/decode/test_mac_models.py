@@ -23,7 +23,7 @@ UPSTREAM = parity.omlx_format().startswith("upstream")
 TOKENS, STEP = 700, 256  # past the ratio-128 pool and two steps, with an odd tail
 
 MLA_FORMATS = mac_models.FORMATS
-V4_FORMATS = ["affine-4-g64", "mixed_3_6", "mxfp4", "nvfp4"]
+V4_FORMATS = mac_models.V4_FORMATS
 
 
 @pytest.fixture(scope="session")
