@@ -114,7 +114,8 @@ fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+/// A model directory's safetensors files, sorted (every shard; an index adds nothing to them).
+pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| CoreError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))

@@ -1,7 +1,8 @@
 //! pd-bridge core: the decoder's cache math and everything that carries its result.
 //!
 //! The data path, in module order: [`plan`] (what the decoder caches, from its config) →
-//! [`weights`] (the decoder's own projection weights and their fingerprint) → [`pooler`] (the
+//! [`weights`] (the decoder's own projection weights, in any format [`quant`] reads, and their
+//! fingerprint; [`checkpoint`]: the model's identity and its export for the GPU host) → [`pooler`] (the
 //! per-layer cache state, fed chunk by chunk, each layer's math its model [`family`]'s) →
 //! [`capture`] (segments at block boundaries, planned by [`segment`]) → [`segment_server`] and
 //! [`wire`] (the prefill host's side of the stream) → [`ingest`] and [`block`] (the decode host's

@@ -213,15 +213,7 @@ pub(crate) struct TensorStore {
 
 impl TensorStore {
     pub(crate) fn open(dir: &Path) -> Result<Self> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| CoreError::io(dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(CoreError::WeightFile { path: dir.to_path_buf(), reason: "no .safetensors files in the model directory".into() });
-        }
+        let files = crate::checkpoint::safetensors_files(dir)?;
         let mut maps = Vec::new();
         let mut index = BTreeMap::new();
         for path in files {
