@@ -9,6 +9,7 @@ The matrix runs against upstream oMLX, the decode target; the fork runs mlx-lm's
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,11 @@ from pd_bridge_omlx._native import ConfigError, Weights, WeightsError, export_we
 UPSTREAM = parity.omlx_format().startswith("upstream")
 TOKENS, STEP = 700, 256  # past the ratio-128 pool and two steps, with an odd tail
 
-MLA_FORMATS = mac_models.FORMATS
-V4_FORMATS = mac_models.V4_FORMATS
+# The quick lane (PD_BRIDGE_QUICK=1) takes one format per family: the matrix is minutes of MLX
+# forwards; the test command runs it whole.
+QUICK = os.environ.get("PD_BRIDGE_QUICK") == "1"
+MLA_FORMATS = mac_models.FORMATS[:1] if QUICK else mac_models.FORMATS
+V4_FORMATS = mac_models.V4_FORMATS[:1] if QUICK else mac_models.V4_FORMATS
 
 
 @pytest.fixture(scope="session")
