@@ -124,3 +124,22 @@ def test_a_prefill_answer_that_says_no_capture_was_made_is_read():
     for answer in ({}, {"kv_transfer_params": None}, {"kv_transfer_params": {"pd_capture": {"prompt_cached_tokens": 0}}}, [], "x"):
         assert _refused(answer) is None
     assert len(_refused({"kv_transfer_params": {"pd_capture": {"refused": "x" * 5000}}})) == 300
+
+
+def test_same_or_different_weights_from_the_prefill_hosts_word(models):
+    """The verdict's ``weights``: the decoder model's fingerprint against the one the prefill
+    host reports; anything not shaped like a fingerprint leaves it unknown, and ``different``
+    is the only relation the header says."""
+    from pd_bridge_omlx._native import model_fingerprint
+
+    b = Bridge(config.from_env(GOOD))
+    d = str(models / "tiny-mla")
+    b.fingerprint(d)
+    mine = model_fingerprint(d)
+    assert b.public_status()["model"]["fingerprint"] == mine and "bf16" in b.public_status()["model"]["formats"]
+    assert b.weights_relation(d, mine) == "same"
+    assert b.weights_relation(d, "sha256:" + "0" * 64) == "different"
+    assert b.weights_relation(d, None) == "unknown" and b.weights_relation("/elsewhere", mine) == "unknown"
+    v = Verdict("complete", blocks=7, tokens=1792, weights="different")
+    assert v.header() == "complete; blocks=7; tokens=1792; weights=different"
+    assert Verdict("complete", blocks=7, tokens=1792, weights="same").header() == "complete; blocks=7; tokens=1792"

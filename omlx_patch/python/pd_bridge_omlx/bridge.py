@@ -140,6 +140,9 @@ class _Slots:
             return self._held
 
 
+_FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")
+
+
 class PrefillUnavailable(RuntimeError):
     pass
 
@@ -758,9 +761,13 @@ class Bridge:
             if isinstance(got, dict) and isinstance(got.get("prompt_cached_tokens"), int):
                 vllm_cached = got["prompt_cached_tokens"]
             if isinstance(got, dict):
+                # The prefill host's word, kept only in the form a fingerprint has (a hostile
+                # host's string is neither compared nor shown).
                 prefill_model = got.get("model_fingerprint")
+                if not (isinstance(prefill_model, str) and _FINGERPRINT.fullmatch(prefill_model)):
+                    prefill_model = None
                 weights = self.weights_relation(model_dir, prefill_model)
-                self._last_weights = {"weights": weights, "prefill_fingerprint": prefill_model if isinstance(prefill_model, str) else None}
+                self._last_weights = {"weights": weights, "prefill_fingerprint": prefill_model}
         extra = {"resumed_at": resumed_at, "not_resumed": not_resumed, "vllm_cached": vllm_cached, "weights": weights}
         if seal is not None and seal.get("verdict") == "complete" and blocks == new_blocks and not problems:
             v = Verdict("complete", blocks=blocks, of_blocks=new_blocks, tokens=(first + blocks) * block_size, request_id=request_id, phases=phases, **extra)
