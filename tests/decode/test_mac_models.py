@@ -21,7 +21,7 @@ import parity
 from pd_bridge_omlx._native import ConfigError, Weights, WeightsError, export_weights
 
 UPSTREAM = parity.omlx_format().startswith("upstream")
-TOKENS, STEP = 700, 256  # past the ratio-128 pool and two steps, with an odd tail
+TOKENS, STEP = 400, 256  # past the ratio-128 pools, a whole step and an odd tail
 
 # The quick lane (PD_BRIDGE_QUICK=1) takes one format per family: the matrix is minutes of MLX
 # forwards; the test command runs it whole.
