@@ -91,7 +91,7 @@ def test_deepseek_v4_is_bit_exact_in_every_format(mac_model, fmt):
     assert any(".compressor.wgate" in m for m, _ in w.formats)
     r = parity.run_v4(d, n_tokens=TOKENS, step=STEP)
     report(r)
-    assert r.tally.arrays >= 40  # the fork's caches hold fewer arrays (no carried overlap)
+    assert r.tally.arrays >= 30  # 34 on the fork's caches (no carried overlap), 44 upstream
     assert r.tally.bit_exact, r.tally.mismatched[:10]
 
 
