@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{CoreError, Result};
 use crate::plan::ModelPlan;
-use crate::quant::{unpack, Accumulate, QuantMode, Quantization};
+use crate::quant::{dequantize, unpack, QuantMode, Quantization};
 
 /// The config key an exported checkpoint carries its provenance under.
 pub const SOURCE_KEY: &str = "pd_bridge_source";
@@ -282,13 +282,7 @@ fn convert_file(st: &SafeTensors<'_>, quant: &Quantization, dequantized: &mut Ve
                 return Err(CoreError::weights(name, format!("{spec}: weight {:?} {:?} and scales {:?} do not fit", t.dtype(), wshape, scales.shape())));
             }
             let (w, acc) = unpack(&spec, t.data(), scales.data(), biases.as_deref(), rows, in_dim);
-            let values: Vec<f32> = match acc {
-                Accumulate::Bf16Groups { group, scales } => {
-                    let g = in_dim / group;
-                    w.iter().enumerate().map(|(i, &e)| e * scales[(i / in_dim) * g + (i % in_dim) / group]).collect()
-                }
-                _ => w,
-            };
+            let values = dequantize(&w, &acc, in_dim);
             dequantized.push((module.to_string(), spec.to_string()));
             let mut shape = wshape.clone();
             *shape.last_mut().expect("non-empty") = in_dim;

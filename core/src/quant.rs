@@ -225,6 +225,18 @@ pub(crate) fn unpack(spec: &QuantSpec, packed: &[u8], scales: &[u8], biases: Opt
     }
 }
 
+/// The weight dequantized (`mx.dequantize`): unpacked elements `w` (`[rows, in_dim]`) with the
+/// FP formats' group scales applied; exact in bf16 for every format.
+pub(crate) fn dequantize(w: &[f32], acc: &Accumulate, in_dim: usize) -> Vec<f32> {
+    match acc {
+        Accumulate::F32 | Accumulate::Bf16 => w.to_vec(),
+        Accumulate::Bf16Groups { group, scales } => {
+            let groups = in_dim / group;
+            w.iter().enumerate().map(|(i, &e)| e * scales[(i / in_dim) * groups + (i % in_dim) / group]).collect()
+        }
+    }
+}
+
 /// `width` bits starting at bit `at` of a little-endian bit stream: MLX packs every width this
 /// way (2/4/8 bits within a byte from the low end; 3, 5 and 6 bits across bytes).
 fn bits_at(row: &[u8], at: usize, width: usize) -> u32 {
@@ -237,7 +249,7 @@ fn bits_at(row: &[u8], at: usize, width: usize) -> u32 {
 }
 
 /// MLX's FP4 (E2M1) table, low nibble first.
-const FP4: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+pub(crate) const FP4: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// OCP MX e4m3 element → f32 (no infinities; 0x7f/0xff are NaN).
 pub(crate) fn e4m3_to_f32(b: u8) -> f32 {

@@ -43,13 +43,7 @@ impl Linear {
     /// The weight dequantized (`mx.dequantize`), `[out, in]`, each value exact in bf16: what a
     /// plain GEMM multiplies by.
     pub fn dequantized(&self) -> Vec<f32> {
-        match &self.acc {
-            Accumulate::F32 | Accumulate::Bf16 => self.w.clone(),
-            Accumulate::Bf16Groups { group, scales } => {
-                let groups = self.in_dim / group;
-                self.w.iter().enumerate().map(|(i, &e)| e * scales[(i / self.in_dim) * groups + (i % self.in_dim) / group]).collect()
-            }
-        }
+        crate::quant::dequantize(&self.w, &self.acc, self.in_dim)
     }
 }
 

@@ -115,7 +115,7 @@ pub fn v4_weights(plan: V4Plan, seed: u64) -> Arc<DecoderWeights> {
 /// formats beside bf16.
 pub fn quantized(w: &DecoderWeights, mode: &str, bits: usize, group: usize, seed: u64) -> Arc<DecoderWeights> {
     use crate::quant::Accumulate;
-    const FP4: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+    use crate::quant::FP4;
     let mut rng = Rng::new(seed);
     let mut q = |l: &Linear| -> Linear {
         let groups = l.in_dim / group;
